@@ -1,0 +1,18 @@
+# changestreamer: one process, one uvicorn worker (the change-streamer keeps its
+# subscribers in memory, so it must not be forked).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
+    ZERO_CHANGE_STREAMER_HOST=0.0.0.0 \
+    ZERO_REPLICA_FILE=/data/zero.db
+WORKDIR /srv/changestreamer
+
+COPY pyproject.toml README.md alembic.ini ./
+COPY app ./app
+COPY migrations ./migrations
+RUN pip install --no-cache-dir .
+
+VOLUME /data
+EXPOSE 4849
+HEALTHCHECK --interval=10s --timeout=3s CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:4849/')"
+CMD ["changestreamer", "serve"]

@@ -1,0 +1,1 @@
+"""The HTTP and websocket surface of the service (FastAPI)."""

@@ -1,0 +1,134 @@
+"""The changestreamer command: settings errors, migrate, and serve's health endpoints."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from app.config import SettingsError, load_settings
+
+CLI = [sys.executable, "-m", "app.cli"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_")}
+    full_env.update(env)
+    full_env["PYTHONPATH"] = str(REPO)
+    return subprocess.run(
+        [*CLI, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=60
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_settings_use_zero_names_and_defaults(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in list(os.environ):
+        if name.startswith("ZERO_"):
+            monkeypatch.delenv(name)
+    settings = load_settings()
+    assert (settings.app_id, settings.shard_num, settings.listen_port) == ("zero", 0, 4849)
+    assert settings.change_db_url == "zero_0-cdc.db"
+    monkeypatch.setenv("ZERO_APP_ID", "zoro")
+    monkeypatch.setenv("ZERO_SHARD_NUM", "3")
+    monkeypatch.setenv("ZERO_PORT", "5000")
+    monkeypatch.setenv("ZERO_REPLICA_FILE", "/var/lib/zero/replica.db")
+    monkeypatch.setenv("ZERO_APP_PUBLICATIONS", "pub_b, pub_a")
+    settings = load_settings()
+    assert settings.shard.cdc_schema == "zoro_3/cdc"
+    assert settings.listen_port == 5001
+    assert settings.change_db_url == "/var/lib/zero/zoro_3-cdc.db"
+    assert settings.app_publications == ["pub_b", "pub_a"]
+    monkeypatch.setenv("ZERO_APP_PUBLICATIONS", '["x","y"]')
+    monkeypatch.setenv("ZERO_CHANGE_STREAMER_PORT", "7000")
+    settings = load_settings()
+    assert (settings.app_publications, settings.listen_port) == (["x", "y"], 7000)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("ZERO_SHARD_NUM", "two", "invalid setting ZERO_SHARD_NUM"),
+        ("ZERO_SHARD_NUM", "-1", "invalid setting ZERO_SHARD_NUM"),
+        ("ZERO_PORT", "70000", "invalid setting ZERO_PORT"),
+        ("ZERO_APP_ID", "My-App", "app ID 'My-App' is invalid"),
+        ("ZERO_LOG_LEVEL", "loud", "invalid setting ZERO_LOG_LEVEL"),
+    ],
+)
+def test_a_bad_setting_is_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, value: str, message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError, match=message) as e:
+        load_settings()
+    assert "\n" not in str(e.value)
+
+
+def test_migrate_creates_the_default_sqlite_change_db(tmp_path: Path) -> None:
+    result = run_cli(["migrate"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "zero_0-cdc.db").exists()
+    assert "schema revision 0001" in result.stderr
+
+
+def test_bad_settings_stop_the_command_with_exit_code_2(tmp_path: Path) -> None:
+    result = run_cli(["serve"], tmp_path, ZERO_SHARD_NUM="x")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "changestreamer: invalid setting ZERO_SHARD_NUM: Input should be a valid integer, "
+        "unable to parse string as an integer (got 'x')"
+    ]
+
+
+def test_an_unusable_change_db_stops_the_command_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "junk.db").write_bytes(b"\x00garbage" * 1000)
+    result = run_cli(["serve"], tmp_path, ZERO_CHANGE_DB="junk.db")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("changestreamer: SQLite file junk.db is not a SQLite database")
+
+
+def test_serve_answers_health_probes(tmp_path: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_")}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as r:
+                    assert (r.status, r.read()) == (200, b"OK")
+                break
+            except OSError:
+                assert proc.poll() is None, f"serve exited with {proc.returncode}"
+                assert time.monotonic() < deadline, "serve did not answer within 30 s"
+                time.sleep(0.1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/keepalive", timeout=2) as r:
+            assert (r.status, r.read()) == (200, b"OK")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert (tmp_path / "zero_0-cdc.db").exists()
