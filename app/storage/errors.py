@@ -1,0 +1,43 @@
+"""Errors raised by the change DB layer.
+
+``ChangeDbSetupError`` and ``ChangeDbConfigError`` end start-up with one line that
+names the problem. ``OwnershipLostError`` and ``AutoResetSignal`` are abort
+signals: the service stops instead of retrying.
+"""
+
+from __future__ import annotations
+
+
+class StorageError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ChangeDbConfigError(StorageError):
+    """The change DB settings are invalid (URL, app ID, shard number)."""
+
+
+class ChangeDbSetupError(StorageError):
+    """The change DB cannot be used: unreachable, corrupt, foreign or too new."""
+
+
+class AbortError(StorageError):
+    """Stop the service; retrying cannot help."""
+
+
+class OwnershipLostError(AbortError):
+    """Another change-streamer has assumed ownership of the change log."""
+
+
+class AutoResetSignal(AbortError):
+    """The replica must be wiped and synced again (a new replicaVersion)."""
+
+
+class PurgeLockedError(StorageError):
+    """A purge found the change log locked by a replica restore; try later."""
+
+
+class DuplicateChangeError(StorageError):
+    """A row with the same ``(watermark, pos)`` is already stored.
+
+    A source re-sent a stored transaction; nothing of the write is kept.
+    """
