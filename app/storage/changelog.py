@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -111,14 +111,17 @@ class ChangeLog:
         check and the commit. A mismatch raises ``OwnershipLostError`` and nothing
         of the transaction is written.
         """
-        async with self._db.writer.connect() as conn, conn.begin():
-            await _verify_owner(conn, self._db, owner, lock=True)
-            tx = WriteTransaction(conn, self._fast)
-            yield tx
-            if tx._last_watermark is not None:
-                await conn.execute(
-                    update(replication_state).values(lastWatermark=tx._last_watermark)
-                )
+        async with self._db.writer.connect() as conn:
+            try:
+                current = await self._fast.begin_write(conn)
+                if current != owner:
+                    raise OwnershipLostError(f"changeLog ownership has been assumed by {current}")
+                tx = WriteTransaction(conn, self._fast)
+                yield tx
+                await self._fast.commit_write(conn, tx._last_watermark)
+            except BaseException:
+                await self._fast.rollback_write(conn)
+                raise
 
     async def read(
         self,
@@ -185,29 +188,21 @@ class ChangeLog:
                     change_log.c.watermark < watermark, change_log.c.watermark < newest
                 )
             )
-            await _verify_owner(conn, self._db, owner, lock=False, purge_to=watermark)
+            await _verify_purge_owner(conn, self._db, owner, watermark)
             return int(result.rowcount)
 
 
-async def _verify_owner(
-    conn: AsyncConnection,
-    db: ChangeDb,
-    owner: str,
-    *,
-    lock: bool,
-    purge_to: str | None = None,
+async def _verify_purge_owner(
+    conn: AsyncConnection, db: ChangeDb, owner: str, purge_to: str
 ) -> None:
     stmt = select(replication_state.c.owner)
     if db.dialect == "postgresql":
-        stmt = stmt.with_for_update() if lock else stmt.with_for_update(read=True)
+        stmt = stmt.with_for_update(read=True)
     current = await conn.scalar(stmt)
     if current != owner:
-        if purge_to is not None:
-            raise OwnershipLostError(
-                f"aborting changeLog purge to {purge_to} because ownership has been "
-                f"taken by {current}"
-            )
-        raise OwnershipLostError(f"changeLog ownership has been assumed by {current}")
+        raise OwnershipLostError(
+            f"aborting changeLog purge to {purge_to} because ownership has been taken by {current}"
+        )
 
 
 async def _lock_first_row_nowait(conn: AsyncConnection) -> None:

@@ -194,7 +194,10 @@ def _configure_sqlite(engine: AsyncEngine, opts: ChangeDbOptions, *, begin: str)
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql(begin)
+        # A write transaction opened on the driver (storage.fastpath) is joined,
+        # not begun again.
+        if not conn.connection.driver_connection.in_transaction:
+            conn.exec_driver_sql(begin)
 
 
 def _create_postgres(url: URL, shard: Shard, opts: ChangeDbOptions) -> ChangeDb:
