@@ -71,7 +71,7 @@ class FastPath:
             async with driver.cursor() as cur:
                 await cur.execute(self._select_owner)
                 row = await cur.fetchone()
-        return None if row is None else row[0]  # type: ignore[no-any-return]
+        return None if row is None else row[0]
 
     async def commit_write(self, conn: AsyncConnection, last_watermark: str | None) -> None:
         driver = await _driver(conn)
