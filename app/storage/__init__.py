@@ -7,7 +7,7 @@ Typical use::
     log, replication = ChangeLog(db), Replication(db)
 """
 
-from app.storage.changelog import ChangeLog, ChangeRow, StoredRow, WriteTransaction, change_tag
+from app.storage.changelog import ChangeLog, ChangeRow, StoredRow, WriteTransaction
 from app.storage.engine import (
     ChangeDb,
     ChangeDbOptions,
@@ -57,7 +57,6 @@ __all__ = [
     "StoredRow",
     "SubscriptionState",
     "WriteTransaction",
-    "change_tag",
     "create_change_db",
     "migrate",
     "parse_change_db_url",

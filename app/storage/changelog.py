@@ -13,7 +13,6 @@ head never disagree.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -44,22 +43,6 @@ class ChangeRow(NamedTuple):
     pos: int
     change: str
     precommit: str | None = None
-
-
-def change_tag(change: str) -> str:
-    """The ``tag`` of a stored change object.
-
-    Sources put ``tag`` first in practice, so that case is a slice; any other key
-    order falls back to parsing.
-    """
-    if change.startswith('{"tag":"'):
-        end = change.find('"', 8)
-        if end > 8:
-            return change[8:end]
-    tag = json.loads(change).get("tag")
-    if not isinstance(tag, str):
-        raise ValueError(f"stored change has no string 'tag': {change[:80]!r}")
-    return tag
 
 
 @dataclass(slots=True)

@@ -15,7 +15,6 @@ from app.storage import (
     PurgeLockedError,
     Replication,
     SubscriptionState,
-    change_tag,
 )
 
 OWNER = "task-a"
@@ -216,11 +215,3 @@ async def test_purge_fails_fast_while_a_restore_holds_the_purge_lock(pg_db: Chan
         with pytest.raises(PurgeLockedError):
             await log.purge_before("zz", OWNER)
     assert await log.count() == 2
-
-
-def test_change_tag_reads_the_tag_whatever_the_key_order() -> None:
-    assert change_tag('{"tag":"insert","new":{}}') == "insert"
-    assert change_tag('{"new":{"tag":"x"},"tag":"update"}') == "update"
-    assert change_tag('{"tag":"create-table","spec":{}}') == "create-table"
-    with pytest.raises(ValueError, match="no string 'tag'"):
-        change_tag('{"new":{}}')

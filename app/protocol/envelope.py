@@ -1,0 +1,141 @@
+"""Websocket envelopes shared by every change-streamer socket (wire.md §1.1, §5.3).
+
+Server -> client frames are ``{"id":N,"msg":<message>}`` or, on connections that
+opted into batching (v7), ``{"id":N,"batch":[<m1>,<m2>,...]}``.  A fanned-out
+message is serialized once: the *tail* (``,"msg":<json>}``) is built once and each
+subscriber's sender only prepends its own ``{"id":N``, so the per-subscriber cost
+is one string concatenation.
+
+Acks (``{"ack":N}``) are parsed strictly: a text frame holding a JSON object with
+exactly the key ``ack`` and a non-negative integer value.  Anything else is a
+protocol violation (:class:`AckError`) and the server closes the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.protocol.canonical_json import loads
+from app.protocol.validation import json_type_name
+
+__all__ = [
+    "AckError",
+    "Envelope",
+    "EnvelopeError",
+    "ack_frame",
+    "ack_from_value",
+    "batch_tail",
+    "envelope_from_value",
+    "frame",
+    "msg_tail",
+    "parse_ack",
+    "parse_envelope",
+]
+
+
+class AckError(ValueError):
+    """A client frame that is not a valid ``{"ack": N}``."""
+
+
+class EnvelopeError(ValueError):
+    """A server frame that is not a valid ``{"id": N, "msg"|"batch": ...}`` envelope."""
+
+
+def msg_tail(msg_json: str) -> str:
+    """``,"msg":<json>}``: the part of a single-message frame shared by all receivers."""
+    return ',"msg":' + msg_json + "}"
+
+
+def batch_tail(msg_jsons: Sequence[str]) -> str:
+    """``,"batch":[a,b,...]}``: the shared part of a batch frame."""
+    return ',"batch":[' + ",".join(msg_jsons) + "]}"
+
+
+def frame(id: int, tail: str) -> str:
+    """A complete frame: ``{"id":<id>`` followed by a tail from msg_tail/batch_tail."""
+    return '{"id":' + str(id) + tail
+
+
+def ack_frame(id: int) -> str:
+    return '{"ack":' + str(id) + "}"
+
+
+def parse_ack(data: str | bytes) -> int:
+    """The id acknowledged by a client frame; :class:`AckError` if it is anything else."""
+    if not isinstance(data, str):
+        raise AckError("binary frames are not accepted; an ack must be a text frame")
+    try:
+        value = loads(data)
+    except ValueError as e:
+        raise AckError(f"ack frame is not valid JSON: {e}") from None
+    return ack_from_value(value)
+
+
+def ack_from_value(value: Any) -> int:
+    """Validate an already-decoded ack (for sockets that demultiplex acks and messages)."""
+    if not isinstance(value, dict):
+        raise AckError(f"ack frame must be a JSON object, got {json_type_name(value)}")
+    if "ack" not in value:
+        raise AckError(f"ack frame has no 'ack' key (keys: {_keys(value)})")
+    if len(value) != 1:
+        extra = {k: v for k, v in value.items() if k != "ack"}
+        raise AckError(f"ack frame has unexpected keys: {_keys(extra)}")
+    ack = value["ack"]
+    if isinstance(ack, bool):
+        raise AckError(f"'ack' must be a non-negative integer, got boolean {str(ack).lower()}")
+    if isinstance(ack, float):
+        # JSON.parse would read 1.0 as 1; we do not: our peers only ever send integers.
+        raise AckError(f"'ack' must be a non-negative integer, got float {ack!r}")
+    if not isinstance(ack, int):
+        raise AckError(f"'ack' must be a non-negative integer, got {json_type_name(ack)}")
+    if ack < 0:
+        raise AckError(f"'ack' must be a non-negative integer, got {ack}")
+    return ack
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """A decoded ``{"id", "msg"|"batch"}`` frame; ``messages`` has one element for msg."""
+
+    id: int
+    messages: list[Any]
+    batch: bool
+    body: dict[str, Any]  # the whole envelope, extra keys included
+
+
+def parse_envelope(data: str | bytes) -> Envelope:
+    """Decode a server frame on the client side (extra envelope keys are tolerated)."""
+    if not isinstance(data, str):
+        raise EnvelopeError("binary frames are not accepted; envelopes are text frames")
+    try:
+        value = loads(data)
+    except ValueError as e:
+        raise EnvelopeError(f"frame is not valid JSON: {e}") from None
+    return envelope_from_value(value)
+
+
+def envelope_from_value(value: Any) -> Envelope:
+    if not isinstance(value, dict):
+        raise EnvelopeError(f"envelope must be a JSON object, got {json_type_name(value)}")
+    if "id" not in value:
+        raise EnvelopeError("envelope has no 'id'")
+    id_ = value["id"]
+    if isinstance(id_, bool) or not isinstance(id_, int) or id_ < 0:
+        raise EnvelopeError(f"envelope 'id' must be a non-negative integer, got {id_!r}")
+    has_msg = "msg" in value
+    has_batch = "batch" in value
+    if has_msg == has_batch:
+        which = "both" if has_msg else "neither"
+        raise EnvelopeError(f"envelope must have exactly one of 'msg' and 'batch', has {which}")
+    if has_msg:
+        return Envelope(id_, [value["msg"]], False, value)
+    batch = value["batch"]
+    if not isinstance(batch, list):
+        raise EnvelopeError(f"envelope 'batch' must be an array, got {json_type_name(batch)}")
+    return Envelope(id_, batch, True, value)
+
+
+def _keys(d: dict[str, Any]) -> str:
+    return ", ".join(repr(k) for k in d) or "none"
