@@ -1,0 +1,1 @@
+"""Upstream change sources behind one interface (``app.sources.base``)."""

@@ -1,0 +1,1 @@
+"""The change-streamer core: forward, store, ack; catch-up; flow control; purge."""

@@ -1,0 +1,196 @@
+"""Live fan-out of changes to subscribers, with flow control and laggard eviction.
+
+Subscribers that arrive while a transaction is being forwarded wait in
+``queued`` and become ``active`` at the next commit or rollback: they receive
+whole transactions only, and the storer catches them up to exactly that point
+(spec/core.md §3.4).
+
+A progress tick (1 s) samples each subscriber's consumption rate. With the
+consensus timeout on, a subscriber that missed the last release deadline and
+is slower than the slowest on-time subscriber is *lagging*; lagging without a
+break for the grace period gets it disconnected with ``StreamTooFarBehind``
+(spec/core.md §4.6), so one slow replica cannot keep costing everyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.protocol.errors import ErrorType
+from app.streamer.broadcast import Broadcast, ReleaseMode
+from app.streamer.subscriber import Change, Subscriber
+from app.streamer.timers import TimerHandle, Timers
+
+log = logging.getLogger(__name__)
+
+PROGRESS_TICK_S = 1.0
+RATE_SAMPLES = 10
+
+
+@dataclass(slots=True)
+class _Rate:
+    samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
+
+    def add(self, now: float, processed: int) -> None:
+        self.samples.append((now, processed))
+
+    def per_second(self) -> float | None:
+        if len(self.samples) < 2:
+            return None
+        (t0, n0), (t1, n1) = self.samples[0], self.samples[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else None
+
+
+@dataclass(slots=True)
+class FlowControlStats:
+    waits: dict[str, int] = field(
+        default_factory=lambda: {"all-subscribers": 0, "consensus-timeout": 0}
+    )
+    wait_seconds: float = 0.0
+
+
+class Forwarder:
+    def __init__(
+        self,
+        *,
+        timers: Timers,
+        timeout_proportion: float | None = 2.0,
+        grace_period_s: float = 30.0,
+    ) -> None:
+        self._timers = timers
+        # A negative proportion disables early release (always wait for everyone).
+        self._proportion = timeout_proportion if (timeout_proportion or 0) >= 0 else None
+        self._grace_s = grace_period_s
+        self.active: set[Subscriber] = set()
+        self.queued: set[Subscriber] = set()
+        self.in_transaction = False
+        self.current: Broadcast | None = None
+        self.stats = FlowControlStats()
+        self._rates: dict[Subscriber, _Rate] = {}
+        self._tick: TimerHandle | None = None
+
+    # -- membership ---------------------------------------------------------
+
+    def add(self, sub: Subscriber) -> None:
+        (self.queued if self.in_transaction else self.active).add(sub)
+        self._rates[sub] = _Rate()
+
+    def remove(self, sub: Subscriber) -> None:
+        self.active.discard(sub)
+        self.queued.discard(sub)
+        self._rates.pop(sub, None)
+        sub.close()
+
+    def acks(self) -> list[str]:
+        """The acked watermark of every subscriber (active or queued)."""
+        return [s.acked for s in (*self.active, *self.queued)]
+
+    # -- forwarding ---------------------------------------------------------
+
+    def forward(self, change: Change) -> None:
+        """Sends to every active subscriber without waiting."""
+        for sub in self.active:
+            sub.send(change)
+        self._update_state(change)
+
+    async def forward_with_flow_control(self, change: Change) -> ReleaseMode:
+        """Sends as a tracked broadcast and waits for its release."""
+        broadcast = Broadcast(
+            list(self.active), change, timers=self._timers, timeout_proportion=self._proportion
+        )
+        self._update_state(change)
+        self.current = broadcast
+        start = self._timers.monotonic()
+        try:
+            mode = await broadcast.done
+        finally:
+            if self.current is broadcast:
+                self.current = None
+        self.stats.waits[mode] += 1
+        self.stats.wait_seconds += self._timers.monotonic() - start
+        return mode
+
+    def release_current(self) -> None:
+        """Lets a waiting broadcast go (the upstream stream ended)."""
+        if self.current is not None:
+            self.current.cancel()
+
+    def send_status(self) -> None:
+        for sub in self.active:
+            sub.send_status()
+
+    def _update_state(self, change: Change) -> None:
+        if change.tag == "begin":
+            self.in_transaction = True
+        elif change.tag in ("commit", "rollback"):
+            self.in_transaction = False
+            if self.queued:
+                self.active |= self.queued
+                self.queued.clear()
+
+    # -- progress and laggards ----------------------------------------------
+
+    def start_progress_monitor(self) -> None:
+        if self._tick is None:
+            self._tick = self._timers.call_later(PROGRESS_TICK_S, self._on_tick)
+
+    def stop_progress_monitor(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+
+    def _on_tick(self) -> None:
+        self._tick = self._timers.call_later(PROGRESS_TICK_S, self._on_tick)
+        now = self._timers.monotonic()
+        for sub in [*self.active, *self.queued]:
+            if sub.closed:
+                self.remove(sub)
+                continue
+            self._rates[sub].add(now, sub.processed)
+        if self.current is not None and self.current.completed < self.current.majority:
+            info = self.current.describe()
+            if info["elapsedMs"] >= 1000:
+                log.info("flow control waiting for a majority of subscribers: %s", info)
+        self._check_laggards(now)
+
+    def rate(self, sub: Subscriber) -> float | None:
+        rate = self._rates.get(sub)
+        return None if rate is None else rate.per_second()
+
+    def _check_laggards(self, now: float) -> None:
+        if self._grace_s <= 0 or self._proportion is None:
+            return
+        on_time = [
+            r for s in self.active if not s.missed_last_timeout and (r := self.rate(s)) is not None
+        ]
+        if not on_time:
+            return  # no baseline: nobody is judged
+        baseline = min(on_time)
+        for sub in list(self.active):
+            if sub.mode == "backup" or not sub.missed_last_timeout:
+                sub.lagging_since = None
+                continue
+            rate = self.rate(sub)
+            if rate is None or rate >= baseline:
+                sub.lagging_since = None  # catching up
+                continue
+            if sub.lagging_since is None:
+                sub.lagging_since = now
+            elif now - sub.lagging_since >= self._grace_s:
+                lagged_ms = round((now - sub.lagging_since) * 1000)
+                log.warning("disconnecting subscriber %s: lagging for %d ms", sub.id, lagged_ms)
+                self.active.discard(sub)
+                self._rates.pop(sub, None)
+                sub.close(
+                    ErrorType.STREAM_TOO_FAR_BEHIND,
+                    f"lagging for over {round(self._grace_s * 1000)}ms ({lagged_ms}ms)",
+                )
+
+    def close_all(self) -> None:
+        for sub in [*self.active, *self.queued]:
+            sub.close()
+        self.active.clear()
+        self.queued.clear()
+        self._rates.clear()

@@ -1,0 +1,233 @@
+"""One subscriber: its position, its catch-up backlog, its acks.
+
+A subscriber starts at the watermark its replica is at. Until catch-up from the
+change log is done, live changes go to a backlog (bounded by bytes: at the high
+water mark the live send returns a gate that opens at the low water mark, which
+is how a catching-up subscriber eventually holds up flow control). Catch-up
+rows and then the backlog are emitted through one filter, ``watermark <=
+self.watermark ⇒ drop``, which is what makes the catch-up → live handoff
+duplicate-free.
+
+``acked`` advances only when a *commit* message is consumed (acked by the
+client); it is the subscriber's durable position and feeds the purge floor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Literal, NamedTuple
+
+from app.protocol.downstream import status_json
+from app.protocol.errors import ErrorType, error_message_json
+from app.streamer.downstream import Downstream
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["serving", "backup"]
+
+BACKLOG_HIGH_WATER = 16 * 1024 * 1024
+BACKLOG_LOW_WATER_FRACTION = 0.8
+# Protocol versions below 5 do not know this tag (spec/source.md §1.9).
+_MIN_VERSION: dict[str, int] = {"update-table-metadata": 5}
+
+
+class Change(NamedTuple):
+    """A forwarded or caught-up message: its transaction's watermark, tag and JSON."""
+
+    watermark: str
+    tag: str
+    json: str
+
+
+class Subscriber:
+    def __init__(
+        self,
+        *,
+        id: str,
+        protocol_version: int,
+        watermark: str,
+        mode: Mode,
+        downstream: Downstream,
+        latest_lag_report: Callable[[], dict[str, object] | None],
+        high_water: int = BACKLOG_HIGH_WATER,
+    ) -> None:
+        self.id = id
+        self.protocol_version = protocol_version
+        self.mode = mode
+        self.watermark = watermark
+        self.acked = watermark
+        self.downstream = downstream
+        self._latest_lag_report = latest_lag_report
+        self._high_water = high_water
+        self._low_water = int(high_water * BACKLOG_LOW_WATER_FRACTION)
+        self._backlog: deque[Change] | None = deque()
+        self._backlog_bytes = 0
+        self._drain_bytes = 0  # drained from the backlog, not yet consumed
+        self._gate: asyncio.Future[Any] | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._room = asyncio.Event()  # set when drained-but-unconsumed bytes fall below high water
+        self._initialized = False
+        self._closed = False
+        # Flow-control bookkeeping (broadcast / laggard detection).
+        self.missed_last_timeout = False
+        self.lagging_since: float | None = None
+        downstream.on_close(self._on_downstream_closed)
+
+    # -- state --------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def backlogged(self) -> bool:
+        """Still catching up (live changes go to the backlog)."""
+        return self._backlog is not None
+
+    @property
+    def backlog_size(self) -> int:
+        return 0 if self._backlog is None else len(self._backlog)
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._backlog_bytes + self._drain_bytes
+
+    @property
+    def processed(self) -> int:
+        return self.downstream.consumed
+
+    # -- live path ----------------------------------------------------------
+
+    def send(self, change: Change) -> asyncio.Future[Any] | None:
+        """A live change. Returns what flow control waits on, or None if nothing.
+
+        Emitted directly: the consumption of the change. In catch-up: None while
+        the backlog is below high water, else the gate that opens at low water.
+        """
+        if self._closed or change.watermark <= self.watermark:
+            return None
+        if self._backlog is None:
+            return self._emit(change)
+        self._backlog.append(change)
+        self._backlog_bytes += len(change.json)
+        if self.buffered_bytes < self._high_water:
+            return None
+        if self._gate is None:
+            self._gate = asyncio.get_running_loop().create_future()
+        return self._gate
+
+    def send_status(self) -> None:
+        """Forwards the latest lag report; ignored before the initial status was sent."""
+        if self._initialized and not self._closed and self.protocol_version >= 2:
+            self.downstream.push(status_json(self._latest_lag_report()))
+
+    # -- catch-up path ------------------------------------------------------
+
+    def catchup(self, change: Change) -> asyncio.Future[bool] | None:
+        """A change read from the change log; returns its consumption, None if filtered."""
+        self._initialize()
+        return self._emit(change)
+
+    def set_caught_up(self) -> None:
+        """Catch-up is done: drain the backlog (bounded in flight), then go live."""
+        self._initialize()
+        if self._closed or self._drain_task is not None:
+            return
+        self._drain_task = asyncio.create_task(self._drain(), name=f"drain-{self.id}")
+
+    async def _drain(self) -> None:
+        # Emit the backlog oldest first, keeping at most high-water bytes emitted
+        # but unconsumed. Live sends keep appending meanwhile, preserving order.
+        backlog = self._backlog
+        assert backlog is not None
+        while backlog and not self._closed:
+            change = backlog.popleft()
+            size = len(change.json)
+            self._backlog_bytes -= size
+            consumed = self._emit(change)
+            if consumed is not None:
+                self._drain_bytes += size
+                consumed.add_done_callback(partial(self._drained, size))
+            self._maybe_open_gate()
+            while self._drain_bytes >= self._high_water and not self._closed:
+                self._room.clear()
+                await self._room.wait()
+        if not self._closed:
+            self._backlog = None
+            self._maybe_open_gate(force=True)
+
+    def _drained(self, size: int, _consumed: asyncio.Future[bool]) -> None:
+        self._drain_bytes -= size
+        if self._drain_bytes < self._high_water:
+            self._room.set()
+        self._maybe_open_gate()
+
+    def _maybe_open_gate(self, *, force: bool = False) -> None:
+        if self._gate is not None and (force or self.buffered_bytes <= self._low_water):
+            gate, self._gate = self._gate, None
+            if not gate.done():
+                gate.set_result(None)
+
+    # -- emitting -----------------------------------------------------------
+
+    def _initialize(self) -> None:
+        if self._initialized:
+            return
+        self._initialized = True
+        if self.protocol_version >= 2 and not self._closed:
+            self.downstream.push(status_json(self._latest_lag_report()))
+
+    def _emit(self, change: Change) -> asyncio.Future[bool] | None:
+        if self._closed or change.watermark <= self.watermark:
+            return None
+        if self.protocol_version < _MIN_VERSION.get(change.tag, 0):
+            return None
+        consumed = self.downstream.push(change.json)
+        if change.tag == "commit":
+            self.watermark = change.watermark
+            watermark = change.watermark
+            consumed.add_done_callback(lambda f: self._on_commit_consumed(f, watermark))
+        return consumed
+
+    def _on_commit_consumed(self, future: asyncio.Future[bool], watermark: str) -> None:
+        if not future.cancelled() and future.result() and watermark > self.acked:
+            self.acked = watermark
+
+    # -- closing ------------------------------------------------------------
+
+    def close(self, error_type: ErrorType | None = None, message: str = "") -> None:
+        """Ends the subscription; with an error type, sends it first (in-band)."""
+        if self._closed:
+            return
+        if error_type is None or error_type == ErrorType.UNKNOWN:
+            # Type 0 is never sent (spec/core.md §8 B2): a silent close makes the
+            # client reconnect instead of wiping its replica.
+            self.downstream.close(message or None)
+            return
+        self._stop_buffering()
+        sent = self.downstream.push(error_message_json(error_type, message))
+        self._closed = True
+        sent.add_done_callback(lambda _: self.downstream.close(message))
+
+    def fail(self, error: BaseException) -> None:
+        """Drops the subscriber silently; it will reconnect and resume."""
+        log.info("subscriber %s dropped: %s", self.id, error)
+        self.close(None, str(error))
+
+    def _on_downstream_closed(self) -> None:
+        self._closed = True
+        self._stop_buffering()
+
+    def _stop_buffering(self) -> None:
+        if self._backlog is not None:
+            self._backlog.clear()
+        self._backlog_bytes = 0
+        self._drain_bytes = 0
+        self._room.set()
+        self._maybe_open_gate(force=True)
+        if self._drain_task is not None and not self._drain_task.done():
+            self._drain_task.cancel()

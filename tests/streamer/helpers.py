@@ -1,0 +1,73 @@
+"""Test doubles for the streamer: a subscriber client that acks on demand."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.protocol.canonical_json import loads
+from app.streamer.downstream import Downstream, DownstreamClosed
+from app.streamer.subscriber import Change, Mode, Subscriber
+
+
+def make_sub(
+    watermark: str = "00",
+    *,
+    id: str = "sub",
+    mode: Mode = "serving",
+    version: int = 6,
+    high_water: int = 16 * 1024 * 1024,
+) -> tuple[Subscriber, Downstream]:
+    ds = Downstream()
+    sub = Subscriber(
+        id=id,
+        protocol_version=version,
+        watermark=watermark,
+        mode=mode,
+        downstream=ds,
+        latest_lag_report=lambda: None,
+        high_water=high_water,
+    )
+    return sub, ds
+
+
+def drain(ds: Downstream, *, ack: bool = True) -> list[object]:
+    """Everything sent so far, parsed; acks each message when ``ack``."""
+    out: list[object] = []
+    while (msg := ds.get_nowait()) is not None:
+        out.append(loads(msg))
+        if ack:
+            ds.ack_next()
+    return out
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def tx(watermark: str, n: int = 1) -> list[Change]:
+    """A small transaction as forwarded changes."""
+    out = [
+        Change(
+            watermark, "begin", f'["begin",{{"tag":"begin"}},{{"commitWatermark":"{watermark}"}}]'
+        )
+    ]
+    out += [
+        Change(watermark, "insert", f'["data",{{"tag":"insert","new":{{"i":{i}}}}}]')
+        for i in range(n)
+    ]
+    out.append(
+        Change(watermark, "commit", f'["commit",{{"tag":"commit"}},{{"watermark":"{watermark}"}}]')
+    )
+    return out
+
+
+async def collect(ds: Downstream, count: int) -> list[object]:
+    out: list[object] = []
+    try:
+        while len(out) < count:
+            out.append(loads(await asyncio.wait_for(ds.get(), 5)))
+            ds.ack_next()
+    except DownstreamClosed:
+        pass
+    return out

@@ -1,0 +1,233 @@
+"""Broadcast (consensus timeout) and Forwarder (transaction-aligned joins, laggards)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.protocol.errors import ErrorType
+from app.streamer.broadcast import Broadcast
+from app.streamer.forwarder import Forwarder
+from app.streamer.subscriber import Change, Subscriber
+from app.streamer.timers import ManualTimers
+
+from .helpers import drain, make_sub, settle, tx
+
+CHANGE = Change("02", "insert", '["data",{"tag":"insert"}]')
+
+
+async def live_subs(n: int, **kw: object) -> list[tuple[Subscriber, object]]:
+    subs = []
+    for i in range(n):
+        sub, ds = make_sub("01", id=f"s{i}", **kw)  # type: ignore[arg-type]
+        sub.set_caught_up()
+        subs.append((sub, ds))
+    await settle()
+    for _, ds in subs:
+        drain(ds)  # the initial status
+    return subs
+
+
+async def test_no_subscribers_means_done_at_once() -> None:
+    b = Broadcast([], CHANGE, timers=ManualTimers(), timeout_proportion=2.0)
+    assert b.done.result() == "all-subscribers"
+
+
+async def test_a_tracked_broadcast_is_done_only_when_everyone_consumed() -> None:
+    subs = await live_subs(2)
+    timers = ManualTimers()
+    b = Broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
+    drain(subs[0][1])
+    await settle()
+    assert not b.done.done()  # n=2: the majority is both
+    assert timers.pending() == []
+    drain(subs[1][1])
+    await settle()
+    assert b.done.result() == "all-subscribers"
+
+
+async def test_majority_arms_one_proportional_timer_and_releases_at_it() -> None:
+    subs = await live_subs(5)
+    timers = ManualTimers()
+    b = Broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
+    timers.advance(0.1)
+    drain(subs[0][1])
+    drain(subs[1][1])
+    await settle()
+    assert timers.pending() == []  # 2 of 5: below the majority of 3
+    timers.advance(0.15)
+    drain(subs[2][1])
+    await settle()
+    assert timers.pending() == pytest.approx([0.5])  # ceil(250 ms × 2.0)
+    drain(subs[3][1])
+    await settle()
+    assert timers.pending() == pytest.approx([0.5])  # later completions do not re-arm
+    timers.advance(0.5)
+    await settle()
+    assert b.done.result() == "consensus-timeout"
+    assert subs[4][0].missed_last_timeout
+    assert not subs[0][0].missed_last_timeout
+
+
+async def test_everyone_completing_first_wins_and_clears_the_timer() -> None:
+    subs = await live_subs(3)
+    timers = ManualTimers()
+    b = Broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
+    timers.advance(0.01)
+    for _, ds in subs[:2]:
+        drain(ds)
+    await settle()
+    assert timers.pending() == pytest.approx([0.02])
+    drain(subs[2][1])
+    await settle()
+    assert b.done.result() == "all-subscribers"
+    assert timers.pending() == []
+    timers.advance(1)  # a late timer is a no-op
+    assert b.done.result() == "all-subscribers"
+
+
+async def test_zero_elapsed_releases_on_a_zero_delay_timer() -> None:
+    subs = await live_subs(3)
+    timers = ManualTimers()
+    b = Broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
+    for _, ds in subs[:2]:
+        drain(ds)
+    await settle()
+    assert timers.pending() == [0.0]
+    timers.advance(0)
+    assert b.done.result() == "consensus-timeout"
+
+
+async def test_without_a_proportion_only_everyone_releases() -> None:
+    subs = await live_subs(3)
+    timers = ManualTimers()
+    b = Broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=None)
+    for _, ds in subs[:2]:
+        drain(ds)
+    await settle()
+    timers.advance(3600)
+    assert not b.done.done()
+
+
+async def test_a_caught_up_backup_subscriber_must_respond_before_the_timer() -> None:
+    subs = await live_subs(2)
+    backup, backup_ds = make_sub("01", id="backup", mode="backup")
+    backup.set_caught_up()
+    await settle()
+    drain(backup_ds)
+    timers = ManualTimers()
+    b = Broadcast([backup] + [s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
+    timers.advance(0.1)
+    for _, ds in subs:
+        drain(ds)
+    await settle()
+    assert timers.pending() == []  # majority reached, but the backup has not answered
+    timers.advance(0.2)
+    drain(backup_ds)
+    await settle()
+    assert b.done.result() == "all-subscribers"
+
+
+async def test_a_catching_up_subscriber_holds_flow_control_once_its_backlog_is_full() -> None:
+    sub, _ = make_sub("01", high_water=100)
+    timers = ManualTimers()
+    small = Broadcast([sub], CHANGE, timers=timers, timeout_proportion=None)
+    assert small.done.result() == "all-subscribers"  # backlog below high water
+    big = Change("02", "insert", '["data","' + "z" * 200 + '"]')
+    b = Broadcast([sub], big, timers=timers, timeout_proportion=None)
+    await settle()
+    assert not b.done.done()
+
+
+async def test_subscribers_added_mid_transaction_start_at_the_next_transaction() -> None:
+    fwd = Forwarder(timers=ManualTimers())
+    early, early_ds = make_sub("01", id="early")
+    fwd.add(early)
+    early.set_caught_up()
+    first, second = tx("02"), tx("03")
+    fwd.forward(first[0])
+    late, late_ds = make_sub("01", id="late")
+    late.set_caught_up()
+    fwd.add(late)
+    assert late in fwd.queued
+    for change in first[1:]:
+        fwd.forward(change)
+    assert late in fwd.active
+    for change in second:
+        fwd.forward(change)
+    await settle()
+    early_msgs = [m[0] for m in drain(early_ds)]  # type: ignore[index]
+    late_msgs = [m for m in drain(late_ds)]
+    assert early_msgs == ["status"] + ["begin", "data", "commit"] * 2
+    assert [m[0] for m in late_msgs] == ["status", "begin", "data", "commit"]  # type: ignore[index]
+    assert late_msgs[-1] == ["commit", {"tag": "commit"}, {"watermark": "03"}]
+
+
+async def test_subscribers_added_mid_transaction_join_after_a_rollback_too() -> None:
+    fwd = Forwarder(timers=ManualTimers())
+    fwd.forward(tx("02")[0])
+    late, _ = make_sub("01")
+    fwd.add(late)
+    assert late in fwd.queued
+    fwd.forward(Change("02", "rollback", '["rollback",{"tag":"rollback"}]'))
+    assert late in fwd.active
+
+
+async def laggard_setup(
+    grace_s: float,
+) -> tuple[Forwarder, ManualTimers, list[tuple[Subscriber, object]]]:
+    timers = ManualTimers()
+    fwd = Forwarder(timers=timers, timeout_proportion=2.0, grace_period_s=grace_s)
+    subs = await live_subs(3)
+    for sub, _ in subs:
+        fwd.add(sub)
+    fwd.start_progress_monitor()
+    return fwd, timers, subs
+
+
+async def run_ticks(
+    fwd: Forwarder, timers: ManualTimers, subs: list, seconds: int, *, slow_consumes: bool
+) -> None:
+    """Each second: a tracked broadcast that the first two consume at once."""
+    for _ in range(seconds):
+        task = asyncio.ensure_future(fwd.forward_with_flow_control(CHANGE))
+        await settle()
+        for _, ds in subs[:2]:
+            drain(ds)
+        if slow_consumes:
+            drain(subs[2][1])
+        await settle()
+        timers.advance(1.0)
+        await settle()
+        await task
+
+
+async def test_a_chronic_laggard_is_disconnected_only_after_the_grace_period() -> None:
+    fwd, timers, subs = await laggard_setup(grace_s=5)
+    slow, slow_ds = subs[2]
+    await run_ticks(fwd, timers, subs, 4, slow_consumes=False)
+    assert not slow.closed
+    assert slow.lagging_since is not None
+    await run_ticks(fwd, timers, subs, 4, slow_consumes=False)
+    assert slow not in fwd.active
+    errors = [m for m in drain(slow_ds) if m[0] == "error"]  # type: ignore[index]
+    assert errors
+    assert errors[0][1]["type"] == int(ErrorType.STREAM_TOO_FAR_BEHIND)  # type: ignore[index]
+    assert errors[0][1]["message"].startswith("lagging for over 5000ms")  # type: ignore[index]
+    fwd.stop_progress_monitor()
+
+
+async def test_recovering_resets_the_lagging_clock_and_no_grace_disables_eviction() -> None:
+    fwd, timers, subs = await laggard_setup(grace_s=5)
+    slow = subs[2][0]
+    await run_ticks(fwd, timers, subs, 3, slow_consumes=False)
+    assert slow.lagging_since is not None
+    await run_ticks(fwd, timers, subs, 3, slow_consumes=True)
+    assert slow.lagging_since is None
+    fwd.stop_progress_monitor()
+
+    fwd, timers, subs = await laggard_setup(grace_s=0)
+    await run_ticks(fwd, timers, subs, 10, slow_consumes=False)
+    assert subs[2][0] in fwd.active
+    fwd.stop_progress_monitor()
