@@ -1,0 +1,491 @@
+"""The storer: writes the change stream to the change log with group commit,
+and catches subscribers up from it.
+
+The main loop hands every begin/data/commit/rollback to ``store`` (a synchronous
+enqueue) right before forwarding it. A single consumer task writes them:
+
+* **Group commit.** Whatever is queued when the consumer looks is written in one
+  database transaction, as many upstream transactions as are complete, together
+  with ``lastWatermark`` and the backfill bookkeeping of schema changes. Only
+  whole upstream transactions are ever committed: the rows of the open one stay
+  in memory, or — past ``open_tx_flush_bytes`` — are written into a database
+  transaction that holds nothing else and commits only with their commit, so a
+  rollback or a broken stream can drop them with a plain ``ROLLBACK``.
+* **Durability events.** After each commit ``durable`` moves to the last commit
+  watermark written, waiters wake, and the acker hears of it: upstream is acked
+  only for what is durable.
+* **Back pressure.** ``ready_for_more`` arms a gate once the queued JSON exceeds
+  the byte budget; it opens at 80 %. A watchdog fails the gate if no change is
+  processed for ``statement_timeout_s`` (the log is wedged: stop, don't hang).
+
+Catch-up (spec/core.md §3.3, ARCHITECTURE decision 2). ``catchup`` is called in
+the same synchronous step as ``Forwarder.add``. At that point the last commit
+*enqueued* is exactly the boundary between what the subscriber must read from
+the log and what reaches it live, so that watermark is its upper bound; the
+catch-up task waits until the bound is durable, then reads ``[S, bound]`` in
+batches. A subscriber that joins mid-transaction is parked until the
+transaction ends — by commit, rollback *or abort* (the reference leaves it hanging
+on abort, spec/core.md §8 B1) — and its bound includes the commit if there was
+one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.protocol.codec import change_tag, extract_change, reconstruct
+from app.protocol.errors import ErrorType
+from app.storage import AbortError, AutoResetSignal, ChangeLog, ChangeRow, Replication
+from app.storage.backfill import BookkeepingOp, bookkeeping_for
+from app.storage.changelog import WriteTransaction
+from app.streamer.subscriber import Change, Mode, Subscriber
+from app.streamer.timers import TimerHandle, Timers
+
+log = logging.getLogger(__name__)
+
+CATCHUP_BATCH = 2000
+DEFAULT_BACK_PRESSURE_BYTES = 64 * 1024 * 1024
+LOW_WATER_FRACTION = 0.8
+
+
+class WedgedError(AbortError):
+    """No change was processed within the statement timeout while upstream waited."""
+
+
+class StorerStopped(Exception):
+    """The storer stopped before a subscriber's catch-up bound became durable."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    watermark: str
+    tag: str
+    json: str
+    body: dict[str, Any] | None  # kept for begin (skipAck) and schema changes
+
+
+_ABORT = object()
+_STOP = object()
+
+
+@dataclass(slots=True)
+class _OpenTx:
+    watermark: str
+    skip_ack: bool
+    rows: list[ChangeRow] = field(default_factory=list)
+    ops: list[BookkeepingOp] = field(default_factory=list)
+    pos: int = 0
+    bytes: int = 0
+    flushed: bool = False  # some rows already sit in the open database transaction
+
+
+@dataclass(slots=True)
+class _Catchup:
+    sub: Subscriber
+    mode: Mode
+    task: asyncio.Task[None] | None = None
+
+
+class Storer:
+    def __init__(
+        self,
+        *,
+        change_log: ChangeLog,
+        replication: Replication,
+        owner: str,
+        replica_version: str,
+        durable_watermark: str,
+        timers: Timers,
+        on_durable: Callable[[str], None] = lambda _w: None,
+        on_fatal: Callable[[BaseException], None] = lambda _e: None,
+        back_pressure_bytes: int = DEFAULT_BACK_PRESSURE_BYTES,
+        statement_timeout_s: float = 20.0,
+        group_max_rows: int = 10_000,
+        open_tx_flush_bytes: int = 8 * 1024 * 1024,
+        catchup_batch: int = CATCHUP_BATCH,
+    ) -> None:
+        self._log = change_log
+        self._replication = replication
+        self._owner = owner
+        self._replica_version = replica_version
+        self._timers = timers
+        self._on_durable = on_durable
+        self._on_fatal = on_fatal
+        self._budget = back_pressure_bytes
+        self._statement_timeout_s = statement_timeout_s
+        self._group_max_rows = group_max_rows
+        self._open_tx_flush_bytes = open_tx_flush_bytes
+        self._catchup_batch = catchup_batch
+
+        # Enqueue side (the main loop, synchronous).
+        self._queue: asyncio.Queue[_Entry | object] = asyncio.Queue()
+        self._queued_bytes = 0
+        self._enqueued_in_tx = False
+        self._last_enqueued_commit = durable_watermark
+        self._parked: list[_Catchup] = []
+        self._gate: asyncio.Future[None] | None = None
+        self._watchdog: TimerHandle | None = None
+
+        # Consumer side.
+        self.durable = durable_watermark
+        self._durable_changed = asyncio.Event()
+        self._running = False
+        self._failure: BaseException | None = None
+        self._catchups: set[asyncio.Task[None]] = set()
+        self._runs_ended = 0
+
+    # ------------------------------------------------------------------
+    # Enqueue side: called by the main loop without awaiting.
+
+    def store(
+        self, watermark: str, tag: str, message_json: str, body: dict[str, Any] | None
+    ) -> None:
+        """Queues one begin/data/commit/rollback message of the stream."""
+        self._queued_bytes += len(message_json)
+        self._queue.put_nowait(_Entry(watermark, tag, message_json, body))
+        if tag == "begin":
+            self._enqueued_in_tx = True
+        elif tag == "commit":
+            self._last_enqueued_commit = watermark
+            self._end_enqueued_tx()
+        elif tag == "rollback":
+            self._end_enqueued_tx()
+
+    def abort(self) -> None:
+        """The stream broke: drop the open transaction (nothing of it is stored)."""
+        self._queue.put_nowait(_ABORT)
+        self._end_enqueued_tx()
+
+    def catchup(self, sub: Subscriber, mode: Mode) -> None:
+        """Catches ``sub`` up to the stream position of this very call (see module doc)."""
+        request = _Catchup(sub, mode)
+        if self._enqueued_in_tx:
+            self._parked.append(request)
+        else:
+            self._start_catchup(request, self._last_enqueued_commit)
+
+    def ready_for_more(self) -> asyncio.Future[None] | None:
+        """None, or a gate to await while the queue holds more than the byte budget."""
+        if not self._running:
+            return None
+        if self._gate is None and self._queued_bytes > self._budget:
+            log.warning(
+                "change log writes are behind by %d bytes; pausing upstream", self._queued_bytes
+            )
+            self._gate = asyncio.get_running_loop().create_future()
+            self._arm_watchdog()
+        return self._gate
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    @property
+    def last_enqueued_commit(self) -> str:
+        return self._last_enqueued_commit
+
+    def _end_enqueued_tx(self) -> None:
+        self._enqueued_in_tx = False
+        parked, self._parked = self._parked, []
+        for request in parked:
+            self._start_catchup(request, self._last_enqueued_commit)
+
+    # ------------------------------------------------------------------
+    # Back pressure.
+
+    def _arm_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = self._timers.call_later(self._statement_timeout_s, self._on_wedged)
+
+    def _on_wedged(self) -> None:
+        self._watchdog = None
+        gate, self._gate = self._gate, None
+        if gate is not None and not gate.done():
+            gate.set_exception(
+                WedgedError(
+                    f"No statement processed within the last "
+                    f"{round(self._statement_timeout_s * 1000)}ms. "
+                    "Considering the change-log to be wedged."
+                )
+            )
+
+    def _processed(self, size: int) -> None:
+        self._queued_bytes -= size
+        if self._gate is None:
+            return
+        if self._queued_bytes < self._budget * LOW_WATER_FRACTION:
+            self._open_gate()
+        else:
+            self._arm_watchdog()  # progress: restart the clock
+
+    def _open_gate(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        gate, self._gate = self._gate, None
+        if gate is not None and not gate.done():
+            gate.set_result(None)
+
+    # ------------------------------------------------------------------
+    # Consumer.
+
+    async def run(self) -> None:
+        """Writes queued changes until ``stop``; raises what made it fail."""
+        self._running = True
+        self._failure = None
+        tx: _OpenTx | None = None
+        completed: list[_OpenTx] = []
+        writer: contextlib.AbstractAsyncContextManager[WriteTransaction] | None = None
+        db_tx: WriteTransaction | None = None
+
+        async def open_db_tx() -> WriteTransaction:
+            nonlocal writer, db_tx
+            if db_tx is None:
+                writer = self._log.write(self._owner)
+                db_tx = await writer.__aenter__()
+            return db_tx
+
+        async def close_db_tx(*, commit: bool) -> None:
+            # The write context commits on a clean exit and rolls back when an
+            # exception passes through it; it is held open across queue reads, so
+            # it is driven by hand.
+            nonlocal writer, db_tx
+            cm, writer, db_tx = writer, None, None
+            if cm is None:
+                return
+            if commit:
+                await cm.__aexit__(None, None, None)
+            else:
+                await cm.__aexit__(_Rollback, _Rollback(), None)
+
+        async def flush_completed() -> None:
+            nonlocal completed
+            if not completed:
+                return
+            group, completed = completed, []
+            w = await open_db_tx()
+            rows = [row for t in group for row in t.rows]
+            for start in range(0, len(rows), self._group_max_rows):
+                await w.append(rows[start : start + self._group_max_rows])
+            for t in group:
+                for op in t.ops:
+                    await w.apply(op)
+            w.set_last_watermark(group[-1].watermark)
+            await close_db_tx(commit=True)
+            self._made_durable(group)
+
+        async def flush_open(t: _OpenTx) -> None:
+            # A big transaction: commit what is complete, then give it a database
+            # transaction of its own that stays open until its commit.
+            await flush_completed()
+            w = await open_db_tx()
+            await w.append(t.rows)
+            t.rows = []
+            t.bytes = 0
+            t.flushed = True
+
+        try:
+            stopping = False
+            while not stopping:
+                items = [await self._queue.get()]
+                while len(items) < self._group_max_rows and not self._queue.empty():
+                    items.append(self._queue.get_nowait())
+                for item in items:
+                    if item is _STOP:
+                        stopping = True
+                        break
+                    if item is _ABORT:
+                        if tx is not None:
+                            log.info(
+                                "dropping transaction %s: the stream was aborted", tx.watermark
+                            )
+                            if tx.flushed:
+                                await close_db_tx(commit=False)
+                            tx = None
+                        continue
+                    assert isinstance(item, _Entry)
+                    self._processed(len(item.json))
+                    if item.tag == "begin":
+                        if tx is not None:
+                            raise AssertionError(
+                                f"begin {item.watermark} while transaction {tx.watermark} is open"
+                            )
+                        skip = bool(item.body and item.body.get("skipAck") is True)
+                        tx = _OpenTx(item.watermark, skip)
+                        tx.rows.append(ChangeRow(item.watermark, 0, extract_change(item.json)))
+                        tx.bytes = len(item.json)
+                        continue
+                    if tx is None:
+                        raise AssertionError(f"{item.tag} {item.watermark} outside a transaction")
+                    if item.tag == "rollback":
+                        if tx.flushed:
+                            await close_db_tx(commit=False)
+                        tx = None
+                        continue
+                    tx.pos += 1
+                    if item.tag == "commit":
+                        tx.rows.append(
+                            ChangeRow(tx.watermark, tx.pos, extract_change(item.json), tx.watermark)
+                        )
+                        completed.append(tx)
+                        tx = None
+                        continue
+                    tx.rows.append(ChangeRow(tx.watermark, tx.pos, extract_change(item.json)))
+                    tx.bytes += len(item.json)
+                    if item.body is not None:
+                        tx.ops.extend(bookkeeping_for(item.body))
+                    if tx.bytes >= self._open_tx_flush_bytes:
+                        await flush_open(tx)
+                if tx is not None and tx.flushed and tx.rows:
+                    # Keep appending a big transaction as it arrives.
+                    await flush_open(tx)
+                elif tx is None or not tx.flushed:
+                    await flush_completed()
+                # else: completed transactions wait for the big open one to commit,
+                # since they share its database transaction (whole transactions only).
+        except BaseException as e:
+            self._failure = e
+            raise
+        finally:
+            self._running = False
+            with contextlib.suppress(BaseException):
+                await close_db_tx(commit=False)
+            self._open_gate()
+            self._drain_queue()
+            self._runs_ended += 1
+            self._durable_changed.set()
+
+    def _made_durable(self, group: list[_OpenTx]) -> None:
+        self.durable = group[-1].watermark
+        self._durable_changed.set()
+        acked = [t.watermark for t in group if not t.skip_ack]
+        if acked:
+            self._on_durable(acked[-1])
+
+    def _drain_queue(self) -> None:
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, _Entry):
+                self._queued_bytes -= len(item.json)
+        # Subscribers parked mid-transaction can no longer be served: they reconnect.
+        parked, self._parked = self._parked, []
+        for request in parked:
+            request.sub.fail(StorerStopped("the change stream was interrupted"))
+        self._enqueued_in_tx = False
+
+    async def stop(self, *, drain_timeout_s: float = 30.0) -> None:
+        """Aborts the open transaction, writes what is complete, and ends ``run``.
+
+        Raises ``AbortError`` if the queue does not drain within the timeout.
+        """
+        if not self._running:
+            return
+        self._queue.put_nowait(_ABORT)
+        self._queue.put_nowait(_STOP)
+        deadline = self._timers.monotonic() + drain_timeout_s
+        while self._running:
+            if self._timers.monotonic() >= deadline:
+                raise AbortError(
+                    f"changeLog did not drain within {round(drain_timeout_s * 1000)}ms"
+                )
+            await asyncio.sleep(0.01)
+
+    def reset_for_stream(self, durable_watermark: str) -> None:
+        """A new upstream stream starts from ``durable_watermark`` (what is stored)."""
+        self._last_enqueued_commit = durable_watermark
+        self.durable = durable_watermark
+        self._enqueued_in_tx = False
+
+    # ------------------------------------------------------------------
+    # Catch-up.
+
+    def _start_catchup(self, request: _Catchup, up_to: str) -> None:
+        task = asyncio.create_task(self._catchup(request, up_to), name=f"catchup-{request.sub.id}")
+        request.task = task
+        self._catchups.add(task)
+        task.add_done_callback(self._catchups.discard)
+
+    async def wait_durable(self, watermark: str, *, sub: Subscriber | None = None) -> None:
+        runs_ended = self._runs_ended
+        while self.durable < watermark:
+            if sub is not None and sub.closed:
+                raise StorerStopped("subscriber closed")
+            if self._runs_ended != runs_ended:
+                # The stream that enqueued this watermark ended without storing it.
+                raise StorerStopped(f"the change stream ended before {watermark} was stored")
+            self._durable_changed.clear()
+            # Re-check periodically so a closed subscriber does not wait forever.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._durable_changed.wait(), 1.0)
+
+    async def _catchup(self, request: _Catchup, up_to: str) -> None:
+        sub, mode = request.sub, request.mode
+        start = sub.watermark
+        try:
+            await self.wait_durable(up_to, sub=sub)
+            found = start == self._replica_version
+            rows_seen = False
+            last: asyncio.Future[bool] | None = None
+            async for batch in self._log.read(start, up_to, batch_size=self._catchup_batch):
+                rows_seen = True
+                if last is not None:
+                    await last  # at most two batches in memory
+                    last = None
+                for watermark, _pos, change, _pre in batch:
+                    if sub.closed:
+                        return
+                    if watermark == start:
+                        found = True
+                        continue
+                    if not found:
+                        if mode == "backup":
+                            raise AutoResetSignal(
+                                f"backup replica at watermark {start} is behind change db: "
+                                f"{watermark})"
+                            )
+                        sub.close(
+                            ErrorType.WATERMARK_TOO_OLD,
+                            f"earliest supported watermark is {watermark} (requested {start})",
+                        )
+                        return
+                    tag = change_tag(change)
+                    consumed = sub.catchup(
+                        Change(watermark, tag, reconstruct(watermark, tag, change))
+                    )
+                    if consumed is not None:
+                        last = consumed
+            if not found and not rows_seen:
+                log.info(
+                    "subscriber %s at %s is ahead of the durable change log (%s)",
+                    sub.id,
+                    start,
+                    up_to,
+                )
+            sub.set_caught_up()
+        except AutoResetSignal as e:
+            log.error("%s", e)
+            sub.fail(e)
+            self._on_fatal(e)
+        except StorerStopped as e:
+            sub.fail(e)
+        except Exception as e:
+            log.exception("catch-up of subscriber %s failed", sub.id)
+            sub.fail(e)
+
+    async def close_catchups(self) -> None:
+        tasks = list(self._catchups)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+class _Rollback(Exception):
+    """Rolls the open write transaction back when its context exits."""

@@ -1,0 +1,315 @@
+"""Storer: group commit of whole transactions, durability, back pressure, catch-up."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from app.protocol.canonical_json import dumps, loads
+from app.protocol.errors import ErrorType
+from app.storage import AutoResetSignal, ChangeDb, ChangeLog, OwnershipLostError, Replication
+from app.streamer.downstream import Downstream
+from app.streamer.storer import Storer, WedgedError
+from app.streamer.subscriber import Mode, Subscriber
+from app.streamer.timers import ManualTimers
+
+from .conftest import OWNER, REPLICA_VERSION
+from .helpers import collect, drain, make_sub, settle
+
+
+def begin(w: str, **extra: object) -> tuple[str, str, str, dict[str, object]]:
+    body = {"tag": "begin", **extra}
+    return w, "begin", dumps(["begin", body, {"commitWatermark": w}]), body
+
+
+def insert(w: str, i: int) -> tuple[str, str, str, None]:
+    return (
+        w,
+        "insert",
+        dumps(
+            [
+                "data",
+                {"tag": "insert", "relation": {"schema": "public", "name": "t"}, "new": {"id": i}},
+            ]
+        ),
+        None,
+    )
+
+
+def commit(w: str) -> tuple[str, str, str, None]:
+    return w, "commit", dumps(["commit", {"tag": "commit"}, {"watermark": w}]), None
+
+
+def rollback(w: str) -> tuple[str, str, str, None]:
+    return w, "rollback", dumps(["rollback", {"tag": "rollback"}]), None
+
+
+def txn(w: str, n: int = 1) -> list[tuple[str, str, str, object]]:
+    return [begin(w), *[insert(w, i) for i in range(n)], commit(w)]
+
+
+class Harness:
+    def __init__(self, db: ChangeDb, **kw: object) -> None:
+        self.timers = ManualTimers()
+        self.durable: list[str] = []
+        self.fatal: list[BaseException] = []
+        self.log = ChangeLog(db)
+        self.storer = Storer(
+            change_log=self.log,
+            replication=Replication(db),
+            owner=OWNER,
+            replica_version=REPLICA_VERSION,
+            durable_watermark=REPLICA_VERSION,
+            timers=self.timers,
+            on_durable=self.durable.append,
+            on_fatal=self.fatal.append,
+            **kw,  # type: ignore[arg-type]
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.storer.run())
+
+    def feed(self, entries: list[tuple[str, str, str, object]]) -> None:
+        for w, tag, text, body in entries:
+            self.storer.store(w, tag, text, body)  # type: ignore[arg-type]
+
+    async def until_durable(self, w: str) -> None:
+        await asyncio.wait_for(self.storer.wait_durable(w), 10)
+
+    async def rows(self) -> list[tuple[str, int, str]]:
+        out = []
+        async for batch in self.log.read("00", "zz"):
+            out += [(w, p, c) for w, p, c, _ in batch]
+        return out
+
+    async def close(self) -> None:
+        await self.storer.stop()
+        if self.task is not None:
+            await asyncio.wait_for(self.task, 10)
+
+
+@pytest.fixture
+async def harness(change_db: ChangeDb) -> AsyncIterator[Harness]:
+    h = Harness(change_db)
+    h.start()
+    yield h
+    await h.close()
+
+
+async def test_whole_transactions_are_stored_with_positions_and_head(harness: Harness) -> None:
+    harness.feed(txn("02", 3) + txn("03", 1))
+    await harness.until_durable("03")
+    rows = await harness.rows()
+    assert [(w, p) for w, p, _ in rows] == [
+        ("01", 0),
+        ("01", 1),
+        ("02", 0),
+        ("02", 1),
+        ("02", 2),
+        ("02", 3),
+        ("02", 4),
+        ("03", 0),
+        ("03", 1),
+        ("03", 2),
+    ]
+    assert loads(rows[3][2]) == {
+        "tag": "insert",
+        "relation": {"schema": "public", "name": "t"},
+        "new": {"id": 0},
+    }
+    state = await Replication(harness.log.db).state()
+    assert state is not None
+    assert state.last_watermark == "03"
+    assert harness.durable[-1] == "03"
+
+
+async def test_a_rolled_back_transaction_stores_nothing(harness: Harness) -> None:
+    harness.feed([begin("02"), insert("02", 1), rollback("02"), *txn("03")])
+    await harness.until_durable("03")
+    assert {w for w, _, _ in await harness.rows()} == {"01", "03"}
+    assert "02" not in harness.durable
+
+
+async def test_skip_ack_transactions_are_stored_but_not_reported_for_acks(harness: Harness) -> None:
+    harness.feed([begin("02.01", skipAck=True), insert("02.01", 1), commit("02.01")])
+    await harness.until_durable("02.01")
+    assert harness.durable == []
+    assert "02.01" in {w for w, _, _ in await harness.rows()}
+
+
+async def test_an_aborted_transaction_stores_nothing_and_the_next_one_is_stored(
+    harness: Harness,
+) -> None:
+    harness.feed([begin("02"), insert("02", 1)])
+    harness.storer.abort()
+    harness.feed(txn("03"))
+    await harness.until_durable("03")
+    assert {w for w, _, _ in await harness.rows()} == {"01", "03"}
+
+
+async def test_a_big_transaction_is_written_in_pieces_and_dropped_whole_on_rollback(
+    change_db: ChangeDb,
+) -> None:
+    h = Harness(change_db, open_tx_flush_bytes=2000)
+    h.start()
+    try:
+        h.feed([begin("02"), *[insert("02", i) for i in range(200)]])
+        await settle()
+        await asyncio.sleep(0.2)
+        h.feed([rollback("02"), *txn("03")])
+        await h.until_durable("03")
+        assert {w for w, _, _ in await h.rows()} == {"01", "03"}
+        h.feed([begin("04"), *[insert("04", i) for i in range(200)], commit("04"), *txn("05")])
+        await h.until_durable("05")
+        rows = [(w, p) for w, p, _ in await h.rows() if w == "04"]
+        assert rows == [("04", p) for p in range(202)]
+    finally:
+        await h.close()
+
+
+async def test_ownership_taken_over_stops_the_storer_and_stores_nothing(
+    change_db: ChangeDb,
+) -> None:
+    h = Harness(change_db)
+    await Replication(change_db).assume_ownership("someone-else", None)
+    h.start()
+    h.feed(txn("02"))
+    assert h.task is not None
+    with pytest.raises(OwnershipLostError, match="assumed by someone-else"):
+        await asyncio.wait_for(h.task, 10)
+    assert {w for w, _, _ in await h.rows()} == {"01"}
+
+
+async def test_back_pressure_gate_opens_once_the_queue_drains(change_db: ChangeDb) -> None:
+    h = Harness(change_db, back_pressure_bytes=1000)
+    assert h.storer.ready_for_more() is None  # not running: no gate
+    h.start()
+    await settle()
+    h.feed([begin("02"), *[insert("02", i) for i in range(50)], commit("02")])
+    gate = h.storer.ready_for_more()
+    assert gate is not None
+    await asyncio.wait_for(gate, 10)
+    assert h.storer.ready_for_more() is None
+    await h.close()
+
+
+async def test_a_wedged_change_log_fails_the_gate_after_the_statement_timeout(
+    change_db: ChangeDb,
+) -> None:
+    h = Harness(change_db, back_pressure_bytes=100, statement_timeout_s=20)
+    h.storer._running = True  # nothing consumes: the log looks wedged
+    h.feed(txn("02", 5))
+    gate = h.storer.ready_for_more()
+    assert gate is not None
+    assert h.timers.pending() == [20.0]
+    h.timers.advance(20)
+    with pytest.raises(WedgedError, match="No statement processed within the last 20000ms"):
+        await gate
+    # A stale, rejected gate is never handed out again.
+    fresh = h.storer.ready_for_more()
+    assert fresh is not None
+    assert fresh is not gate
+    h.storer._running = False
+
+
+# -- catch-up ---------------------------------------------------------------
+
+
+def subscribe(h: Harness, watermark: str, mode: Mode = "serving") -> tuple[Subscriber, Downstream]:
+    sub, ds = make_sub(watermark, mode=mode)
+    h.storer.catchup(sub, mode)
+    return sub, ds
+
+
+async def test_catch_up_starts_at_once_between_transactions_and_covers_what_was_enqueued(
+    harness: Harness,
+) -> None:
+    harness.feed(txn("02") + txn("03"))
+    sub, ds = subscribe(harness, "01")
+    msgs = await collect(ds, 7)
+    assert [m[0] for m in msgs] == ["status", "begin", "data", "commit", "begin", "data", "commit"]
+    assert msgs[-1] == ["commit", {"tag": "commit"}, {"watermark": "03"}]
+    await settle()
+    assert not sub.backlogged
+
+
+async def test_catch_up_waits_for_the_open_transaction_and_includes_it(harness: Harness) -> None:
+    harness.feed([begin("02"), insert("02", 1)])
+    _sub, ds = subscribe(harness, "01")
+    await asyncio.sleep(0.1)
+    assert drain(ds, ack=False) == []  # parked: nothing, not even the status
+    harness.feed([commit("02")])
+    msgs = await collect(ds, 4)
+    assert [m[0] for m in msgs] == ["status", "begin", "data", "commit"]
+
+
+@pytest.mark.parametrize("ending", ["rollback", "abort"])
+async def test_catch_up_parked_in_a_transaction_is_served_when_it_ends_without_commit(
+    harness: Harness, ending: str
+) -> None:
+    harness.feed([*txn("02"), begin("03"), insert("03", 1)])
+    _sub, ds = subscribe(harness, "01")
+    await asyncio.sleep(0.05)
+    assert drain(ds, ack=False) == []
+    if ending == "rollback":
+        harness.feed([rollback("03")])
+    else:
+        harness.storer.abort()
+    msgs = await collect(ds, 4)
+    assert msgs[-1] == ["commit", {"tag": "commit"}, {"watermark": "02"}]
+
+
+async def test_catch_up_does_not_include_later_transactions(harness: Harness) -> None:
+    harness.feed(txn("02"))
+    _sub, ds = subscribe(harness, "01")
+    harness.feed(txn("03"))  # after the subscription point: live, not catch-up
+    await harness.until_durable("03")
+    msgs = await collect(ds, 4)
+    await asyncio.sleep(0.1)
+    assert drain(ds) == []
+    assert msgs[-1] == ["commit", {"tag": "commit"}, {"watermark": "02"}]
+
+
+async def test_a_watermark_older_than_the_log_gets_watermark_too_old(harness: Harness) -> None:
+    harness.feed(txn("03"))
+    await harness.until_durable("03")
+    await harness.log.purge_before("03", OWNER)
+    _sub, ds = subscribe(harness, "02")
+    msgs = await collect(ds, 1)
+    assert msgs == [
+        [
+            "error",
+            {
+                "type": int(ErrorType.WATERMARK_TOO_OLD),
+                "message": "earliest supported watermark is 03 (requested 02)",
+            },
+        ]
+    ]
+
+
+async def test_a_backup_replica_older_than_the_log_is_fatal(harness: Harness) -> None:
+    harness.feed(txn("03"))
+    await harness.until_durable("03")
+    await harness.log.purge_before("03", OWNER)
+    _sub, _ds = subscribe(harness, "02", mode="backup")
+    for _ in range(50):
+        if harness.fatal:
+            break
+        await asyncio.sleep(0.02)
+    assert isinstance(harness.fatal[0], AutoResetSignal)
+    assert "backup replica at watermark 02 is behind change db: 03" in str(harness.fatal[0])
+
+
+@pytest.mark.parametrize("mode", ["serving", "backup"])
+async def test_a_subscriber_ahead_of_the_durable_log_is_caught_up_without_error(
+    harness: Harness, mode: Mode
+) -> None:
+    harness.feed(txn("02"))
+    await harness.until_durable("02")
+    _sub, ds = subscribe(harness, "05", mode=mode)
+    msgs = await collect(ds, 1)
+    assert [m[0] for m in msgs] == ["status"]
+    assert harness.fatal == []
