@@ -1,0 +1,487 @@
+"""The change-streamer service: forward, store, ack (spec/core.md §2).
+
+``run`` assumes ownership of the change log, then loops over upstream
+connections. For each message of a stream, in one synchronous step, it is
+serialized once, queued for the storer and forwarded to the live subscribers;
+every 64 KiB of forwarded JSON the loop waits for a flow-control broadcast, and
+it waits whenever the storer is over its byte budget. Both waits are raced
+against the end of the upstream stream, so a dead upstream is noticed at once.
+
+When a stream ends or breaks inside a transaction, the partial transaction is
+dropped from the storer and subscribers get a synthetic rollback; the next
+stream starts after the last stored commit. Errors are classified (spec/core.md
+§2.8): abort signals and protocol violations stop the service; anything else is
+retried with backoff (25 ms doubling to 10 s).
+
+``subscribe`` adds a subscriber to the forwarder and asks the storer to catch it
+up in the same synchronous step; that pairing is the gap-free handoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError
+
+from app.protocol.canonical_json import dumps
+from app.protocol.downstream import SYNTHETIC_ROLLBACK_JSON
+from app.protocol.errors import ErrorType
+from app.protocol.messages import (
+    Begin,
+    ChangeSourceMessage,
+    Commit,
+    Control,
+    Data,
+    Rollback,
+    Status,
+)
+from app.sources.backoff import Backoff
+from app.sources.base import ChangeSource, ChangeStream
+from app.storage import (
+    AbortError,
+    AutoResetSignal,
+    ChangeDb,
+    ChangeLog,
+    ChangeLogState,
+    Replication,
+)
+from app.streamer.acker import UpstreamAcker
+from app.streamer.downstream import Downstream
+from app.streamer.forwarder import Forwarder
+from app.streamer.purge import Purger
+from app.streamer.reservations import Reservation, SnapshotReservations
+from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, Storer
+from app.streamer.subscriber import Change, Mode, Subscriber
+from app.streamer.timers import LoopTimers, Timers
+
+log = logging.getLogger(__name__)
+
+# Node's default stream high-water mark, which the reference uses as its
+# flow-control checkpoint interval.
+FLUSH_THRESHOLD = 64 * 1024
+_PUMP_QUEUE = 64
+
+
+class UnrecoverableError(Exception):
+    """The upstream broke the protocol; retrying would repeat it."""
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberContext:
+    protocol_version: int
+    id: str
+    mode: Mode
+    replica_version: str
+    watermark: str
+    initial: bool = False
+    task_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamerOptions:
+    back_pressure_bytes: int = DEFAULT_BACK_PRESSURE_BYTES
+    statement_timeout_s: float = 20.0
+    drain_timeout_s: float = 30.0
+    # Consensus-timeout proportion; negative disables early release.
+    timeout_proportion: float = 2.0
+    slow_subscriber_grace_s: float = 30.0
+    auto_reset: bool = True
+    backup_url: str | None = None
+    backoff_initial_s: float = 0.025
+    backoff_max_s: float = 10.0
+
+
+class ChangeStreamerService:
+    def __init__(
+        self,
+        *,
+        db: ChangeDb,
+        source: ChangeSource,
+        task_id: str,
+        address: str | None,
+        replica_version: str,
+        durable_watermark: str,
+        options: StreamerOptions | None = None,
+        timers: Timers | None = None,
+    ) -> None:
+        self.options = options or StreamerOptions()
+        self.task_id = task_id
+        self.replica_version = replica_version
+        self._address = address
+        self._source = source
+        self._timers = timers or LoopTimers()
+        self.change_log = ChangeLog(db)
+        self.replication = Replication(db)
+        self.acker = UpstreamAcker()
+        self.forwarder = Forwarder(
+            timers=self._timers,
+            timeout_proportion=self.options.timeout_proportion,
+            grace_period_s=self.options.slow_subscriber_grace_s,
+        )
+        self.storer = Storer(
+            change_log=self.change_log,
+            replication=self.replication,
+            owner=task_id,
+            replica_version=replica_version,
+            durable_watermark=durable_watermark,
+            timers=self._timers,
+            on_durable=self.acker.track_change_log,
+            on_fatal=self._on_fatal,
+            back_pressure_bytes=self.options.back_pressure_bytes,
+            statement_timeout_s=self.options.statement_timeout_s,
+        )
+        self.reservations = SnapshotReservations(
+            self.replication.change_log_state, self.options.backup_url, self._timers
+        )
+        self.purger = Purger(
+            lambda w: self.change_log.purge_before(w, task_id),
+            self.forwarder.acks,
+            self.reservations.reserved_watermarks,
+            self._timers,
+            on_fatal=self._on_fatal,
+        )
+        self._backoff = Backoff(self.options.backoff_initial_s, self.options.backoff_max_s)
+        self._stopped = asyncio.Event()
+        self._stop_error: BaseException | None = None
+        self._stream: ChangeStream | None = None
+        self._tx: str | None = None  # commit watermark of the open transaction
+        self._latest_lag_report: dict[str, Any] | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self.serving_started = asyncio.Event()
+        self.running = False
+        self.transactions = 0
+        self.changes = 0
+
+    # ------------------------------------------------------------------
+    # Lifecycle.
+
+    async def run(self) -> None:
+        """Streams until ``stop``; raises the error that stopped it, if any."""
+        self.running = True
+        self.forwarder.start_progress_monitor()
+        first = self._source.start_lag_reporter()
+        if first is not None:
+            self._latest_lag_report = first
+        try:
+            await self.replication.assume_ownership(self.task_id, self._address)
+            while not self._stopped.is_set():
+                error = await self._stream_once()
+                if self._stopped.is_set():
+                    break
+                if error is not None and _is_missing_table(error):
+                    log.info("the change log's tables are gone (%s); stopping", error)
+                    await self.stop(_CleanStop(str(error)))
+                    break
+                if error is not None and _is_fatal(error):
+                    await self.stop(error)
+                    break
+                delay = self._backoff.next_delay()
+                if error is not None:
+                    level = logging.INFO if delay < 1 else logging.WARNING
+                    if delay >= 6.5:
+                        level = logging.ERROR
+                    log.log(level, "change stream failed (%s); retrying in %.3fs", error, delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopped.wait(), delay)
+        finally:
+            self.forwarder.stop_progress_monitor()
+            await self.purger.stop()
+            await self.reservations.stop()
+            await self.storer.close_catchups()
+            self.forwarder.close_all()
+            self.running = False
+            log.info("change streamer stopped")
+        if self._stop_error is not None and not isinstance(self._stop_error, _CleanStop):
+            raise self._stop_error
+
+    async def stop(self, error: BaseException | None = None) -> None:
+        """Stops streaming; ``run`` returns (or raises ``error``). Safe to call twice."""
+        if self._stopped.is_set():
+            return
+        if error is not None and not isinstance(error, (AbortError, _CleanStop)):
+            log.error("stopping the change streamer: %s", error)
+        self._stop_error = error
+        self._stopped.set()
+        if self._stream is not None:
+            await self._stream.close()
+        with contextlib.suppress(Exception):
+            await self._source.stop()
+
+    def _on_fatal(self, error: BaseException) -> None:
+        async def stop_and_flag() -> None:
+            if isinstance(error, AutoResetSignal):
+                with contextlib.suppress(Exception):
+                    await self.replication.set_reset_required()
+            await self.stop(error)
+
+        self._owned_task(stop_and_flag())
+
+    def _owned_task(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------
+    # One upstream connection.
+
+    async def _stream_once(self) -> BaseException | None:
+        storer_task: asyncio.Task[None] | None = None
+        error: BaseException | None = None
+        try:
+            params = await self.replication.start_parameters()
+            self.storer.reset_for_stream(params.last_watermark)
+            stream = await self._source.start_stream(
+                params.last_watermark, params.backfill_requests
+            )
+            self._stream = stream
+            if self._stopped.is_set():
+                return None
+            self.acker.reset(stream.ack)
+            storer_task = asyncio.create_task(self.storer.run(), name="storer")
+            self._backoff.reset()
+            await self._consume(stream, storer_task)
+        except BaseException as e:  # classified by the caller
+            error = e
+        finally:
+            error = await self._end_stream(storer_task, error)
+        return error
+
+    async def _end_stream(
+        self, storer_task: asyncio.Task[None] | None, error: BaseException | None
+    ) -> BaseException | None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                await stream.close()
+        self.acker.reset(None)
+        if self._tx is not None:
+            log.info("upstream ended inside transaction %s: rolling it back", self._tx)
+            self.storer.abort()
+            self.forwarder.forward(Change(self._tx, "rollback", SYNTHETIC_ROLLBACK_JSON))
+            self._tx = None
+        self.forwarder.release_current()
+        if storer_task is not None:
+            try:
+                await self.storer.stop(drain_timeout_s=self.options.drain_timeout_s)
+            except AbortError as e:
+                storer_task.cancel()
+                return e
+            with contextlib.suppress(asyncio.CancelledError):
+                try:
+                    await storer_task
+                except Exception as e:  # the storer's failure is the stream's
+                    error = error or e
+        return error
+
+    async def _consume(self, stream: ChangeStream, storer_task: asyncio.Task[None]) -> None:
+        queue: asyncio.Queue[ChangeSourceMessage] = asyncio.Queue(_PUMP_QUEUE)
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def pump() -> None:
+            try:
+                async for message in stream:
+                    await queue.put(message)
+                if not ended.done():
+                    ended.set_result(None)
+            except BaseException as e:
+                if not ended.done():
+                    ended.set_exception(e)
+                raise
+
+        pump_task = asyncio.create_task(pump(), name="upstream-pump")
+        try:
+            unflushed = 0
+            while True:
+                if queue.empty():
+                    get = asyncio.ensure_future(queue.get())
+                    await self._race(get, ended, storer_task)
+                    if not get.done():
+                        get.cancel()
+                        self._raise_if_ended(ended)
+                        return
+                    message = get.result()
+                else:
+                    message = queue.get_nowait()
+                wait = await self._dispatch(message)
+                if wait is None:
+                    continue
+                size, change = wait
+                unflushed += size
+                if unflushed < FLUSH_THRESHOLD:
+                    self.forwarder.forward(change)
+                else:
+                    unflushed = 0
+                    released = asyncio.ensure_future(
+                        self.forwarder.forward_with_flow_control(change)
+                    )
+                    await self._race(released, ended, storer_task)
+                    if not released.done():
+                        self.forwarder.release_current()
+                        released.cancel()
+                        self._raise_if_ended(ended)
+                        return
+                if change.tag in ("commit", "rollback"):
+                    self._tx = None
+                gate = self.storer.ready_for_more()
+                if gate is not None:
+                    await self._race(gate, ended, storer_task)
+                    if gate.done():
+                        gate.result()  # a wedged storer raises here
+                    else:
+                        self._raise_if_ended(ended)
+                        return
+        finally:
+            pump_task.cancel()
+            with contextlib.suppress(BaseException):
+                await pump_task
+
+    async def _race(
+        self, waited: asyncio.Future[Any], ended: asyncio.Future[None], storer: asyncio.Task[None]
+    ) -> None:
+        """Waits for ``waited``, the upstream's end, or the storer's failure."""
+        await asyncio.wait({waited, ended, storer}, return_when=asyncio.FIRST_COMPLETED)
+        if storer.done() and not waited.done():
+            storer.result()  # raises the storer's failure
+            raise RuntimeError("the storer stopped unexpectedly")
+
+    @staticmethod
+    def _raise_if_ended(ended: asyncio.Future[None]) -> None:
+        if ended.done():
+            ended.result()  # raises the stream's failure, if it failed
+
+    async def _dispatch(self, message: ChangeSourceMessage) -> tuple[int, Change] | None:
+        """Handles one message; returns the change to forward, if any."""
+        if isinstance(message, Status):
+            self.acker.on_upstream(message)
+            if message.lag_report is not None:
+                self._latest_lag_report = message.lag_report
+                self.forwarder.send_status()
+            return None
+        if isinstance(message, Control):
+            await self._reset_required(message)
+            return None
+        if isinstance(message, Begin):
+            if self._tx is not None:
+                raise UnrecoverableError(
+                    f"'begin' {message.commit_watermark} received while transaction "
+                    f"{self._tx} is open"
+                )
+            self._tx = message.commit_watermark
+            watermark, tag, body = message.commit_watermark, "begin", message.body
+        elif isinstance(message, Commit):
+            if self._tx is None:
+                raise UnrecoverableError("'commit' change received before 'begin' message")
+            if message.watermark != self._tx:
+                raise UnrecoverableError(
+                    f"commit watermark {message.watermark} does not match 'begin' "
+                    f"watermark {self._tx}"
+                )
+            watermark, tag, body = self._tx, "commit", None
+            self.transactions += 1
+        elif isinstance(message, (Data, Rollback)):
+            if self._tx is None:
+                raise UnrecoverableError(
+                    f"'{message.kind}' change ({message.tag}) received before 'begin' message"
+                )
+            watermark, tag = self._tx, message.tag
+            body = message.body if isinstance(message, Data) and _is_schema(tag) else None
+            if isinstance(message, Data):
+                self.changes += 1
+        else:  # pragma: no cover - the union is exhaustive
+            raise UnrecoverableError(f"unexpected message {message!r}")
+        text = dumps(message.as_list())
+        # No await between storing and forwarding: the storer's queue and the
+        # forwarder's transaction state must describe the same stream position.
+        self.storer.store(watermark, tag, text, body)
+        self.acker.on_upstream(message)
+        return len(text), Change(watermark, tag, text)
+
+    async def _reset_required(self, control: Control) -> None:
+        message = control.message or "Resync required"
+        log.error("upstream requires a reset: %s %s", message, control.error_details or "")
+        await self.replication.set_reset_required()
+        if self.options.auto_reset:
+            raise AutoResetSignal(message)
+
+    # ------------------------------------------------------------------
+    # Subscribers, backups, reservations.
+
+    def subscribe(self, ctx: SubscriberContext) -> Downstream:
+        """Starts a subscription; errors arrive in-band on the returned channel."""
+        if ctx.mode == "serving":
+            self.serving_started.set()
+        downstream = Downstream()
+        sub = Subscriber(
+            id=ctx.id,
+            protocol_version=ctx.protocol_version,
+            watermark=ctx.watermark,
+            mode=ctx.mode,
+            downstream=downstream,
+            latest_lag_report=lambda: self._latest_lag_report,
+        )
+        if ctx.replica_version != self.replica_version:
+            sub.close(
+                ErrorType.WRONG_REPLICA_VERSION,
+                f"current replica version is {self.replica_version} "
+                f"(requested {ctx.replica_version})",
+            )
+            return downstream
+        downstream.on_close(lambda: self.forwarder.remove(sub))
+        # One synchronous step: the forwarder's position is the catch-up bound.
+        self.forwarder.add(sub)
+        self.storer.catchup(sub, ctx.mode)
+        if ctx.task_id is not None:
+            self.reservations.close_for_task(ctx.task_id)
+        return downstream
+
+    def start_snapshot_reservation(self, task_id: str) -> Reservation:
+        self.serving_started.set()
+        return self.reservations.open(task_id)
+
+    def track_backup_watermark(self, watermark: str) -> None:
+        self.acker.track_backup(watermark)
+        self.purger.track_backup_watermark(watermark)
+        self.reservations.track_backup_watermark(watermark)
+
+    def schedule_cleanup(self, watermark: str) -> None:
+        self.purger.schedule_cleanup(watermark)
+
+    async def get_change_log_state(self) -> ChangeLogState:
+        return await self.replication.change_log_state()
+
+
+class _CleanStop(Exception):
+    """The change-log schema disappeared: stop without an error."""
+
+
+def _is_fatal(error: BaseException) -> bool:
+    return isinstance(error, (AbortError, UnrecoverableError, _CleanStop))
+
+
+def _is_missing_table(error: BaseException) -> bool:
+    """Postgres undefined_table: the change-log schema was dropped under us."""
+    return isinstance(error, DBAPIError) and getattr(error.orig, "sqlstate", None) == "42P01"
+
+
+_SCHEMA_TAGS = frozenset(
+    {
+        "create-table",
+        "rename-table",
+        "update-table-metadata",
+        "add-column",
+        "update-column",
+        "drop-column",
+        "drop-table",
+        "create-index",
+        "drop-index",
+        "backfill-completed",
+    }
+)
+
+
+def _is_schema(tag: str) -> bool:
+    return tag in _SCHEMA_TAGS

@@ -1,0 +1,361 @@
+"""ChangeStreamerService end to end, in process: a scripted source, a real SQLite log."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from app.protocol.errors import ErrorType
+from app.sources.memory import MemoryChangeSource, MemoryChangeStream
+from app.storage import AutoResetSignal, ChangeDb, ChangeLog, OwnershipLostError, Replication
+from app.streamer.downstream import Downstream
+from app.streamer.service import (
+    ChangeStreamerService,
+    StreamerOptions,
+    SubscriberContext,
+    UnrecoverableError,
+)
+from app.streamer.timers import ManualTimers
+
+from .conftest import OWNER, REPLICA_VERSION
+from .helpers import collect
+
+
+def begin(w: str) -> list[Any]:
+    return ["begin", {"tag": "begin"}, {"commitWatermark": w}]
+
+
+def insert(i: int, **extra: Any) -> list[Any]:
+    row = {"id": i, **extra}
+    return [
+        "data",
+        {
+            "tag": "insert",
+            "relation": {"schema": "public", "name": "t", "rowKey": {"columns": ["id"]}},
+            "new": row,
+        },
+    ]
+
+
+def commit(w: str) -> list[Any]:
+    return ["commit", {"tag": "commit", "commitTimeMs": 1}, {"watermark": w}]
+
+
+def status(w: str, ack: bool = True) -> list[Any]:
+    return ["status", {"ack": ack}, {"watermark": w}]
+
+
+def txn(w: str, *rows: list[Any]) -> list[list[Any]]:
+    return [begin(w), *(rows or [insert(1)]), commit(w)]
+
+
+class Service:
+    def __init__(self, db: ChangeDb, **options: Any) -> None:
+        self.source = MemoryChangeSource()
+        self.timers = ManualTimers()
+        self.service = ChangeStreamerService(
+            db=db,
+            source=self.source,
+            task_id=OWNER,
+            address="127.0.0.1:4849",
+            replica_version=REPLICA_VERSION,
+            durable_watermark=REPLICA_VERSION,
+            options=StreamerOptions(backoff_initial_s=0.01, backoff_max_s=0.05, **options),
+            timers=self.timers,
+        )
+        self.log = ChangeLog(db)
+        self.run: asyncio.Task[None] = asyncio.create_task(self.service.run())
+
+    async def stream(self, n: int = 1) -> MemoryChangeStream:
+        return await asyncio.wait_for(self.source.wait_for_stream(n), 10)
+
+    def subscribe(
+        self,
+        watermark: str,
+        *,
+        id: str = "sub",
+        replica_version: str = REPLICA_VERSION,
+        mode: str = "serving",
+    ) -> Downstream:
+        return self.service.subscribe(
+            SubscriberContext(6, id, mode, replica_version, watermark)  # type: ignore[arg-type]
+        )
+
+    async def durable(self, w: str) -> None:
+        await asyncio.wait_for(self.service.storer.wait_durable(w), 10)
+
+    async def stored(self) -> list[tuple[str, int]]:
+        out = []
+        async for batch in self.log.read("00", "zz"):
+            out += [(w, p) for w, p, _, _ in batch]
+        return out
+
+    async def stop(self) -> None:
+        await self.service.stop()
+        await asyncio.wait_for(asyncio.gather(self.run, return_exceptions=True), 10)
+
+
+@pytest.fixture
+async def svc(change_db: ChangeDb) -> AsyncIterator[Service]:
+    s = Service(change_db)
+    yield s
+    await s.stop()
+
+
+async def test_get_change_log_state_of_a_fresh_log(svc: Service) -> None:
+    state = await svc.service.get_change_log_state()
+    assert (state.replica_version, state.min_watermark) == (REPLICA_VERSION, REPLICA_VERSION)
+
+
+async def test_first_stream_starts_at_the_replica_version_then_at_the_last_stored_commit(
+    svc: Service,
+) -> None:
+    stream = await svc.stream()
+    assert stream.after_watermark == REPLICA_VERSION
+    stream.push_all(txn("05"))
+    await svc.durable("05")
+    stream.end()
+    second = await svc.stream(2)
+    assert second.after_watermark == "05"
+
+
+async def test_forwards_at_once_stores_and_acks_commits_then_echoes_statuses(svc: Service) -> None:
+    ds = svc.subscribe(REPLICA_VERSION)
+    stream = await svc.stream()
+    stream.push_all([*txn("09", insert(1), insert(2)), status("0a", ack=False), status("0c")])
+    msgs = await collect(ds, 5)
+    assert [m[0] for m in msgs] == ["status", "begin", "data", "data", "commit"]
+    acks = await asyncio.wait_for(stream.wait_for_acks(2), 10)
+    assert acks == [
+        ["status", {"tag": "commit", "commitTimeMs": 1}, {"watermark": "09"}],
+        ["status", {"ack": True}, {"watermark": "0c"}],
+    ]
+    assert await svc.stored() == [("01", 0), ("01", 1), ("09", 0), ("09", 1), ("09", 2), ("09", 3)]
+    state = await Replication(svc.log.db).state()
+    assert state is not None
+    assert (state.last_watermark, state.owner, state.owner_address) == (
+        "09",
+        OWNER,
+        "127.0.0.1:4849",
+    )
+
+
+async def test_catch_up_then_continuation_without_gap_or_duplicate(svc: Service) -> None:
+    stream = await svc.stream()
+    stream.push_all(txn("02") + txn("03"))
+    await svc.durable("03")
+    ds = svc.subscribe("02")
+    stream.push_all(txn("04"))
+    msgs = await collect(ds, 7)
+    commits = [m[2]["watermark"] for m in msgs if m[0] == "commit"]
+    assert commits == ["03", "04"]
+    assert msgs[0][0] == "status"
+
+
+async def test_a_rolled_back_transaction_is_forwarded_but_not_stored_or_acked(svc: Service) -> None:
+    ds = svc.subscribe(REPLICA_VERSION)
+    stream = await svc.stream()
+    stream.push_all([begin("02"), insert(1), ["rollback", {"tag": "rollback"}], *txn("03")])
+    msgs = await collect(ds, 7)
+    assert [m[0] for m in msgs] == [
+        "status",
+        "begin",
+        "data",
+        "rollback",
+        "begin",
+        "data",
+        "commit",
+    ]
+    await svc.durable("03")
+    assert {w for w, _ in await svc.stored()} == {"01", "03"}
+    acks = await asyncio.wait_for(stream.wait_for_acks(1), 10)
+    assert [a[2]["watermark"] for a in acks] == ["03"]
+
+
+async def test_a_subscriber_ahead_gets_only_later_transactions(svc: Service) -> None:
+    stream = await svc.stream()
+    stream.push_all(txn("02") + txn("03"))
+    await svc.durable("03")
+    ds = svc.subscribe("03")
+    stream.push_all(txn("04"))
+    msgs = await collect(ds, 4)
+    assert [m[0] for m in msgs] == ["status", "begin", "data", "commit"]
+    assert msgs[-1][2] == {"watermark": "04"}
+
+
+async def test_big_integers_floats_and_bools_survive_both_paths(svc: Service) -> None:
+    stream = await svc.stream()
+    row = insert(1, big=123456789012345678901234567890, f=1.5, whole=2.0, b=True, n=None)
+    live = svc.subscribe(REPLICA_VERSION, id="live")
+    stream.push_all(txn("02", row))
+    await svc.durable("02")
+    caught_up = svc.subscribe(REPLICA_VERSION, id="late")
+    live_msgs = await collect(live, 4)
+    late_msgs = await collect(caught_up, 4)
+    assert live_msgs[2] == late_msgs[2]
+    assert live_msgs[2][1]["new"] == {
+        "id": 1,
+        "big": 123456789012345678901234567890,
+        "f": 1.5,
+        "whole": 2,
+        "b": True,
+        "n": None,
+    }
+
+
+async def test_wrong_replica_version_is_the_first_and_only_message(svc: Service) -> None:
+    ds = svc.subscribe(REPLICA_VERSION, replica_version="0z")
+    msgs = await collect(ds, 2)
+    assert msgs == [
+        [
+            "error",
+            {
+                "type": int(ErrorType.WRONG_REPLICA_VERSION),
+                "message": "current replica version is 01 (requested 0z)",
+            },
+        ]
+    ]
+
+
+async def test_a_failing_start_is_retried(change_db: ChangeDb) -> None:
+    s = Service.__new__(Service)
+    Service.__init__(s, change_db)
+    s.source.fail_next_starts(ConnectionError("upstream down"), 2)
+    stream = await s.stream(1)
+    assert s.source.start_calls[:3] == [REPLICA_VERSION] * 3
+    assert stream.after_watermark == REPLICA_VERSION
+    await s.stop()
+
+
+async def test_a_broken_stream_mid_transaction_sends_one_rollback_and_resends_the_transaction(
+    svc: Service,
+) -> None:
+    ds = svc.subscribe(REPLICA_VERSION)
+    stream = await svc.stream()
+    stream.push_all([begin("02"), insert(1)])
+    stream.fail(ConnectionError("upstream went away"))
+    second = await svc.stream(2)
+    assert second.after_watermark == REPLICA_VERSION
+    second.push_all(txn("02", insert(1)))
+    msgs = await collect(ds, 7)
+    assert [m[0] for m in msgs] == [
+        "status",
+        "begin",
+        "data",
+        "rollback",
+        "begin",
+        "data",
+        "commit",
+    ]
+    await asyncio.sleep(0.05)
+    assert ds.get_nowait() is None  # exactly one synthetic rollback
+    await svc.durable("02")
+    assert {w for w, _ in await svc.stored()} == {"01", "02"}
+
+
+async def test_an_explicit_rollback_then_end_sends_no_second_rollback(svc: Service) -> None:
+    ds = svc.subscribe(REPLICA_VERSION)
+    stream = await svc.stream()
+    stream.push_all([begin("02"), insert(1), ["rollback", {"tag": "rollback"}]])
+    stream.end()
+    second = await svc.stream(2)
+    second.push_all(txn("03"))
+    msgs = await collect(ds, 7)
+    assert [m[0] for m in msgs] == [
+        "status",
+        "begin",
+        "data",
+        "rollback",
+        "begin",
+        "data",
+        "commit",
+    ]
+
+
+async def test_data_before_begin_stops_the_service_and_stores_nothing(svc: Service) -> None:
+    stream = await svc.stream()
+    stream.push_all([insert(1)])
+    with pytest.raises(UnrecoverableError, match="received before 'begin'"):
+        await asyncio.wait_for(svc.run, 10)
+    assert await svc.stored() == [("01", 0), ("01", 1)]
+
+
+async def test_a_commit_watermark_mismatch_stops_the_service(svc: Service) -> None:
+    stream = await svc.stream()
+    stream.push_all([begin("02"), insert(1), commit("03")])
+    with pytest.raises(
+        UnrecoverableError, match="commit watermark 03 does not match 'begin' watermark 02"
+    ):
+        await asyncio.wait_for(svc.run, 10)
+
+
+async def test_a_duplicate_transaction_is_retried_and_nothing_of_it_kept(svc: Service) -> None:
+    stream = await svc.stream()
+    stream.push_all(txn("02"))
+    await svc.durable("02")
+    stream.push_all(txn("02", insert(7)))  # a buggy source re-sends a stored commit
+    second = await svc.stream(2)
+    assert second.after_watermark == "02"
+    assert await svc.stored() == [("01", 0), ("01", 1), ("02", 0), ("02", 1), ("02", 2)]
+
+
+async def test_ownership_taken_before_a_transaction_stops_the_service(svc: Service) -> None:
+    stream = await svc.stream()
+    stream.push_all(txn("02"))
+    await svc.durable("02")
+    await Replication(svc.log.db).assume_ownership("usurper", None)
+    stream.push_all(txn("03"))
+    with pytest.raises(OwnershipLostError, match="usurper"):
+        await asyncio.wait_for(svc.run, 10)
+    assert {w for w, _ in await svc.stored()} == {"01", "02"}
+
+
+async def test_reset_required_marks_the_config_and_stops_with_auto_reset(svc: Service) -> None:
+    stream = await svc.stream()
+    stream.push_all([["control", {"tag": "reset-required", "message": "slot lost"}]])
+    with pytest.raises(AutoResetSignal, match="slot lost"):
+        await asyncio.wait_for(svc.run, 10)
+    config = await Replication(svc.log.db).config()
+    assert config is not None
+    assert config.reset_required
+
+
+async def test_reset_required_without_auto_reset_keeps_replicating(change_db: ChangeDb) -> None:
+    s = Service(change_db, auto_reset=False)
+    stream = await s.stream()
+    stream.push_all([["control", {"tag": "reset-required"}], *txn("02")])
+    await s.durable("02")
+    config = await Replication(change_db).config()
+    assert config is not None
+    assert config.reset_required
+    await s.stop()
+
+
+async def test_a_backup_subscriber_behind_the_log_requires_a_reset(svc: Service) -> None:
+    stream = await svc.stream()
+    stream.push_all(txn("03"))
+    await svc.durable("03")
+    await svc.log.purge_before("03", OWNER)
+    svc.subscribe("02", mode="backup")
+    with pytest.raises(AutoResetSignal, match="behind change db"):
+        await asyncio.wait_for(svc.run, 10)
+    config = await Replication(svc.log.db).config()
+    assert config is not None
+    assert config.reset_required
+
+
+async def test_lag_reports_are_forwarded_to_live_subscribers(svc: Service) -> None:
+    ds = svc.subscribe(REPLICA_VERSION)
+    stream = await svc.stream()
+    report = {
+        "lastTimings": {"sendTimeMs": 150, "commitTimeMs": 151, "receiveTimeMs": 152},
+        "nextSendTimeMs": 234,
+    }
+    stream.push_all(
+        [*txn("02"), ["status", {"ack": False, "lagReport": report}, {"watermark": "03"}]]
+    )
+    msgs = await collect(ds, 5)
+    assert msgs[-1] == ["status", {"tag": "status", "lagReport": report}]
