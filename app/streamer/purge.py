@@ -1,0 +1,245 @@
+"""Change-log purging: when old entries may go, and how far (core.md §5.7, wire.md §6.4).
+
+``Purger`` owns the purge timers and the single task that runs purges. It knows
+nothing about storage: it calls ``purge(watermark)`` (normally
+``ChangeLog.purge_before(watermark, owner)``, which always keeps the newest
+transaction and checks ownership) and reads the purge constraints through
+callables: the acked watermarks of connected subscribers and the watermarks held by
+confirmed snapshot reservations.
+
+Two triggers, used by different deployments:
+
+* ``track_backup_watermark`` [new]: level-triggered. Whenever the backup is ahead of
+  what was purged, one purge runs ``delay_s`` later, down to the lowest of the
+  backup watermark, every subscriber's ack and every reserved watermark.
+* ``schedule_cleanup`` [1.9]: the replica monitor / 1.9 backup monitors hand in
+  candidate watermarks; each pass purges below the oldest candidate, unless a
+  subscriber (or reservation) is behind it.
+
+The delay (30 s = 3 × the subscribers' maximum reconnect backoff) gives subscribers
+that just lost their connection time to come back and expose their position before
+anything they need is deleted. Purges never overlap: both triggers feed one task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Final
+
+from app.storage.errors import AbortError, PurgeLockedError
+from app.streamer.timers import TimerHandle, Timers
+
+__all__ = ["CLEANUP_DELAY_S", "Purger"]
+
+CLEANUP_DELAY_S: Final = 30.0
+
+
+class Purger:
+    """Schedules and runs change-log purges for one service."""
+
+    def __init__(
+        self,
+        purge: Callable[[str], Awaitable[int]],
+        subscriber_acks: Callable[[], Iterable[str]],
+        reserved_watermarks: Callable[[], Iterable[str]],
+        timers: Timers,
+        *,
+        delay_s: float = CLEANUP_DELAY_S,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self._purge = purge
+        self._subscriber_acks = subscriber_acks
+        self._reserved = reserved_watermarks
+        self._timers = timers
+        self._delay_s = delay_s
+        self._on_fatal = on_fatal
+        self._log = logger or logging.getLogger(__name__)
+        self._stopped = False
+
+        # trackBackupWatermark path.
+        self._backup: str | None = None
+        self._purged = ""
+        self._last_floor: str | None = None
+        self._backup_timer: TimerHandle | None = None
+        self._backup_busy = False  # timer armed, or its pass queued / running
+        self._backup_due = False
+
+        # scheduleCleanup path.
+        self._candidates: set[str] = set()
+        self._cleanup_timer: TimerHandle | None = None
+        self._cleanup_busy = False
+        self._cleanup_due = False
+
+        self._runner: asyncio.Task[None] | None = None
+
+    # -- inputs ---------------------------------------------------------------
+
+    def track_backup_watermark(self, watermark: str) -> None:
+        """The replica backup now durably holds everything up to ``watermark``."""
+        if self._backup is None or watermark > self._backup:
+            self._backup = watermark
+        self._maybe_schedule_backup_purge()
+
+    def schedule_cleanup(self, watermark: str) -> None:
+        """[1.9] Offers ``watermark`` (a backed-up or replicated position) for cleanup."""
+        if self._stopped:
+            return
+        self._candidates.add(watermark)
+        if not self._cleanup_busy:
+            self._arm_cleanup()
+
+    async def stop(self) -> None:
+        """Cancels pending timers and any running purge (its transaction rolls back)."""
+        self._halt()
+        runner, self._runner = self._runner, None
+        if runner is not None and not runner.done():
+            runner.cancel()
+            await asyncio.wait({runner})
+
+    def _halt(self) -> None:
+        self._stopped = True
+        for handle in (self._backup_timer, self._cleanup_timer):
+            if handle is not None:
+                handle.cancel()
+        self._backup_timer = self._cleanup_timer = None
+
+    async def idle(self) -> None:
+        """Waits until no purge is queued or running (timers may still be armed)."""
+        while self._runner is not None and not self._runner.done():
+            await asyncio.wait({self._runner})
+
+    # -- state ----------------------------------------------------------------
+
+    @property
+    def purged_watermark(self) -> str:
+        """Everything below this was purged by the backup path ("" = nothing yet)."""
+        return self._purged
+
+    @property
+    def cleanup_candidates(self) -> frozenset[str]:
+        """Watermarks offered by ``schedule_cleanup`` and not purged yet."""
+        return frozenset(self._candidates)
+
+    # -- trackBackupWatermark path ---------------------------------------------
+
+    def _maybe_schedule_backup_purge(self) -> None:
+        if self._stopped or self._backup_busy:
+            return
+        if self._backup is None or self._purged >= self._backup:
+            return
+        self._backup_busy = True
+        self._backup_timer = self._timers.call_later(self._delay_s, self._on_backup_timer)
+
+    def _on_backup_timer(self) -> None:
+        self._backup_timer = None
+        self._backup_due = True
+        self._ensure_runner()
+
+    async def _purge_to_backup_floor(self) -> None:
+        backup = self._backup
+        assert backup is not None  # armed only once a backup watermark is known
+        floor = min([backup, *self._subscriber_acks(), *self._reserved()])
+        if floor < backup and floor != self._last_floor:
+            self._log.info(
+                "At least one client is behind backup: purging only up to %s (backup at %s)",
+                floor,
+                backup,
+            )
+        self._last_floor = floor
+        if floor <= self._purged:
+            return
+        if await self._attempt(floor):
+            self._purged = floor
+
+    # -- scheduleCleanup path ---------------------------------------------------
+
+    def _arm_cleanup(self) -> None:
+        self._cleanup_busy = True
+        self._cleanup_timer = self._timers.call_later(self._delay_s, self._on_cleanup_timer)
+
+    def _on_cleanup_timer(self) -> None:
+        self._cleanup_timer = None
+        self._cleanup_due = True
+        self._ensure_runner()
+
+    async def _cleanup_pass(self) -> None:
+        if not self._candidates:
+            self._log.warning("change log cleanup ran with no watermarks to clean up")
+            return
+        acks = list(self._subscriber_acks())
+        if not acks:
+            # Without subscribers nobody has shown how far they got: a view-syncer
+            # that is reconnecting may still need the entries.
+            self._log.warning("no subscribers to confirm cleanup of the change log; skipping")
+            return
+        earliest_candidate = min(self._candidates)
+        earliest_needed = min([*acks, *self._reserved()])
+        if earliest_needed < earliest_candidate:
+            self._log.info(
+                "At least one client is behind backup (%s < %s): skipping cleanup",
+                earliest_needed,
+                earliest_candidate,
+            )
+            return
+        if await self._attempt(earliest_candidate):
+            self._candidates.discard(earliest_candidate)
+
+    # -- the runner -------------------------------------------------------------
+
+    def _ensure_runner(self) -> None:
+        if self._stopped or (self._runner is not None and not self._runner.done()):
+            return  # a running pass picks the due flag up before it exits
+        self._runner = asyncio.get_running_loop().create_task(self._run(), name="change-log purge")
+
+    async def _run(self) -> None:
+        while not self._stopped and (self._backup_due or self._cleanup_due):
+            if self._backup_due:
+                self._backup_due = False
+                try:
+                    await self._guarded(self._purge_to_backup_floor)
+                finally:
+                    self._backup_busy = False
+                # Level-triggered: re-arm while the backup is ahead of the purge.
+                self._maybe_schedule_backup_purge()
+            if self._cleanup_due and not self._stopped:
+                self._cleanup_due = False
+                try:
+                    await self._guarded(self._cleanup_pass)
+                finally:
+                    self._cleanup_busy = False
+                if self._candidates and not self._stopped:
+                    self._arm_cleanup()
+
+    async def _guarded(self, run_pass: Callable[[], Awaitable[None]]) -> None:
+        # A failing constraint callable must not kill the runner; the next pass
+        # (re-armed by the caller) tries again.
+        try:
+            await run_pass()
+        except Exception:
+            self._log.exception("change log purge pass failed")
+
+    async def _attempt(self, watermark: str) -> bool:
+        """Runs one purge; True if it went through. Errors never escape."""
+        try:
+            deleted = await self._purge(watermark)
+        except PurgeLockedError:
+            self._log.info(
+                "change log purge to %s blocked by a replica restore; will retry", watermark
+            )
+            return False
+        except AbortError as e:
+            # Ownership moved to another change-streamer (or a reset is due): this
+            # service must stop, and must not purge again.
+            self._log.error("aborting change log purges: %s", e)
+            self._halt()
+            if self._on_fatal is not None:
+                self._on_fatal(e)
+            return False
+        except Exception:
+            self._log.exception("change log purge to %s failed; will retry", watermark)
+            return False
+        self._log.info("purged %d change log entries before %s", deleted, watermark)
+        return True

@@ -1,0 +1,423 @@
+"""Purger: when change-log entries are purged and how far (core.md §5.7, §7 items 8-10)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from app.storage import (
+    ChangeLog,
+    ChangeRow,
+    OwnershipLostError,
+    PurgeLockedError,
+    Replication,
+    Shard,
+    SubscriptionState,
+    create_change_db,
+    migrate,
+    parse_change_db_url,
+)
+from app.streamer.purge import CLEANUP_DELAY_S, Purger
+from app.streamer.timers import ManualTimers
+
+BEHIND = "At least one client is behind backup"
+
+
+class FakePurge:
+    """Records purge calls; can fail or hold a call open until released."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.errors: list[Exception] = []
+        self.gate: asyncio.Event | None = None
+        self.cancelled = False
+
+    async def __call__(self, watermark: str) -> int:
+        self.calls.append(watermark)
+        if self.errors:
+            raise self.errors.pop(0)
+        if self.gate is not None:
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+        return 1
+
+
+class World:
+    """A purger with a fake purge, settable subscriber acks and reservations."""
+
+    def __init__(self) -> None:
+        self.timers = ManualTimers()
+        self.purge = FakePurge()
+        self.acks: list[str] = []
+        self.reserved: list[str] = []
+        self.fatal: list[BaseException] = []
+        self.purger = Purger(
+            self.purge,
+            lambda: self.acks,
+            lambda: self.reserved,
+            self.timers,
+            on_fatal=self.fatal.append,
+        )
+
+    async def fire(self) -> None:
+        """Lets the armed delay pass and the purge it starts finish."""
+        assert self.timers.advance(CLEANUP_DELAY_S) >= 1
+        await self.purger.idle()
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[World]:
+    w = World()
+    yield w
+    await w.purger.stop()
+
+
+def behind_logs(caplog: pytest.LogCaptureFixture) -> int:
+    return sum(BEHIND in r.getMessage() for r in caplog.records)
+
+
+# -- trackBackupWatermark ----------------------------------------------------------
+
+
+async def test_a_backup_watermark_arms_one_30_s_timer(world: World) -> None:
+    world.purger.track_backup_watermark("05")
+    world.purger.track_backup_watermark("06")
+    world.purger.track_backup_watermark("07")
+    assert world.timers.armed == [30.0]
+    assert world.timers.pending() == [30.0]
+    assert world.timers.advance(29.9) == 0
+    assert world.purge.calls == []
+
+
+async def test_no_subscribers_purges_to_the_backup_watermark_and_is_not_rearmed(
+    world: World,
+) -> None:
+    world.purger.track_backup_watermark("06")
+    await world.fire()
+    assert world.purge.calls == ["06"]
+    assert world.purger.purged_watermark == "06"
+    assert world.timers.pending() == []
+    assert world.timers.armed == [30.0]
+
+    world.purger.track_backup_watermark("06")  # nothing new
+    assert world.timers.pending() == []
+
+
+async def test_purge_floor_respects_the_slowest_subscriber(world: World) -> None:
+    world.acks[:] = ["07", "03"]
+    world.purger.track_backup_watermark("08")
+    await world.fire()
+    assert world.purge.calls == ["03"]
+    # The backup is still ahead of the purge: try again later.
+    assert world.timers.pending() == [30.0]
+
+    world.acks[:] = ["07", "09"]
+    await world.fire()
+    assert world.purge.calls == ["03", "07"]
+
+    world.acks[:] = ["09", "0a"]
+    await world.fire()
+    assert world.purge.calls == ["03", "07", "08"]  # never beyond the backup
+    assert world.timers.pending() == []
+    assert world.timers.armed == [30.0, 30.0, 30.0]
+
+
+async def test_a_newer_backup_reschedules_the_purge(world: World) -> None:
+    world.purger.track_backup_watermark("05")
+    await world.fire()
+    assert world.timers.pending() == []
+
+    world.purger.track_backup_watermark("09")
+    assert world.timers.pending() == [30.0]
+    await world.fire()
+    assert world.purge.calls == ["05", "09"]
+
+
+async def test_a_backup_arriving_during_a_purge_is_handled_after_it(world: World) -> None:
+    world.purge.gate = asyncio.Event()
+    world.purger.track_backup_watermark("05")
+    world.timers.advance(CLEANUP_DELAY_S)
+    await asyncio.sleep(0)
+    assert world.purge.calls == ["05"]
+
+    world.purger.track_backup_watermark("09")
+    assert world.timers.pending() == []  # one purge at a time
+    world.purge.gate.set()
+    await world.purger.idle()
+    assert world.timers.pending() == [30.0]
+    await world.fire()
+    assert world.purge.calls == ["05", "09"]
+
+
+async def test_an_unchanged_floor_is_not_purged_again(world: World) -> None:
+    world.acks[:] = ["03"]
+    world.purger.track_backup_watermark("08")
+    await world.fire()
+    await world.fire()
+    await world.fire()
+    assert world.purge.calls == ["03"]
+
+
+async def test_an_unchanged_behind_backup_floor_is_logged_once(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.streamer.purge")
+    world.acks[:] = ["03"]
+    world.purger.track_backup_watermark("08")
+    await world.fire()
+    await world.fire()
+    assert behind_logs(caplog) == 1
+
+    world.acks[:] = ["04"]  # the floor moves: log again
+    await world.fire()
+    await world.fire()
+    assert behind_logs(caplog) == 2
+    assert world.purge.calls == ["03", "04"]
+
+
+async def test_confirmed_reservations_hold_the_floor(world: World) -> None:
+    world.acks[:] = ["09"]
+    world.reserved[:] = ["04", "06"]
+    world.purger.track_backup_watermark("08")
+    await world.fire()
+    assert world.purge.calls == ["04"]
+
+    world.reserved[:] = []
+    await world.fire()
+    assert world.purge.calls == ["04", "08"]
+
+
+async def test_purge_errors_are_logged_swallowed_and_retried(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    world.purge.errors[:] = [RuntimeError("connection reset"), PurgeLockedError("restoring")]
+    world.purger.track_backup_watermark("05")
+    await world.fire()
+    assert "connection reset" in caplog.text
+    assert world.purger.purged_watermark == ""
+    await world.fire()  # purge-locked: retried later too
+    assert world.purger.purged_watermark == ""
+    await world.fire()
+    assert world.purge.calls == ["05", "05", "05"]
+    assert world.purger.purged_watermark == "05"
+    assert world.fatal == []
+
+
+async def test_a_failing_constraint_does_not_stop_purging() -> None:
+    calls = 0
+
+    def acks() -> list[str]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("forwarder gone")
+        return []
+
+    timers, purge = ManualTimers(), FakePurge()
+    purger = Purger(purge, acks, list, timers)
+    purger.track_backup_watermark("05")
+    timers.advance(CLEANUP_DELAY_S)
+    await purger.idle()
+    assert purge.calls == []
+    timers.advance(CLEANUP_DELAY_S)
+    await purger.idle()
+    assert purge.calls == ["05"]
+    await purger.stop()
+
+
+async def test_ownership_loss_goes_to_on_fatal_and_stops_purging(world: World) -> None:
+    lost = OwnershipLostError("ownership has been taken by task-b")
+    world.purge.errors[:] = [lost]
+    world.acks[:] = ["09"]
+    world.purger.track_backup_watermark("05")
+    world.purger.schedule_cleanup("03")
+    world.purger.schedule_cleanup("04")
+    await world.fire()
+    assert world.fatal == [lost]
+    assert world.purge.calls == ["05"]  # the cleanup pass due at the same time never ran
+    assert world.timers.pending() == []
+
+    world.purger.track_backup_watermark("09")
+    world.purger.schedule_cleanup("09")
+    assert world.timers.pending() == []
+
+
+async def test_stop_cancels_the_armed_timer(world: World) -> None:
+    world.purger.track_backup_watermark("05")
+    world.purger.schedule_cleanup("05")
+    await world.purger.stop()
+    assert world.timers.pending() == []
+    world.timers.advance(CLEANUP_DELAY_S)
+    await asyncio.sleep(0)
+    assert world.purge.calls == []
+
+
+async def test_stop_cancels_a_running_purge(world: World) -> None:
+    world.purge.gate = asyncio.Event()
+    world.purger.track_backup_watermark("05")
+    world.timers.advance(CLEANUP_DELAY_S)
+    await asyncio.sleep(0)
+    assert world.purge.calls == ["05"]
+
+    await world.purger.stop()
+    assert world.purge.cancelled
+    assert world.purger.purged_watermark == ""
+    assert world.timers.pending() == []
+
+
+# -- [1.9] scheduleCleanup ----------------------------------------------------------
+
+
+async def test_cleanup_arms_one_30_s_timer_per_batch(world: World) -> None:
+    world.acks[:] = ["09"]
+    world.purger.schedule_cleanup("05")
+    world.purger.schedule_cleanup("03")
+    assert world.timers.armed == [30.0]
+
+    await world.fire()  # one watermark per pass: the oldest
+    assert world.purge.calls == ["03"]
+    assert world.purger.cleanup_candidates == {"05"}
+    assert world.timers.pending() == [30.0]
+
+    await world.fire()
+    assert world.purge.calls == ["03", "05"]
+    assert world.purger.cleanup_candidates == set()
+    assert world.timers.pending() == []
+    assert world.timers.armed == [30.0, 30.0]
+
+
+async def test_cleanup_is_skipped_without_subscribers(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    world.purger.schedule_cleanup("05")
+    await world.fire()
+    assert world.purge.calls == []
+    assert "no subscribers" in caplog.text
+    assert world.timers.pending() == [30.0]  # the watermark is kept for later
+
+    world.acks[:] = ["06"]
+    await world.fire()
+    assert world.purge.calls == ["05"]
+
+
+async def test_cleanup_is_skipped_while_a_subscriber_is_behind(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.streamer.purge")
+    world.acks[:] = ["04", "09"]
+    world.purger.schedule_cleanup("05")
+    await world.fire()
+    assert world.purge.calls == []
+    assert behind_logs(caplog) == 1
+
+    world.acks[:] = ["05", "09"]  # at the candidate is enough
+    await world.fire()
+    assert world.purge.calls == ["05"]
+
+
+async def test_cleanup_respects_reservations(world: World) -> None:
+    world.acks[:] = ["09"]
+    world.reserved[:] = ["04"]
+    world.purger.schedule_cleanup("05")
+    await world.fire()
+    assert world.purge.calls == []
+
+
+async def test_cleanup_errors_keep_the_watermark_for_the_next_pass(world: World) -> None:
+    world.acks[:] = ["09"]
+    world.purge.errors[:] = [RuntimeError("boom")]
+    world.purger.schedule_cleanup("05")
+    await world.fire()
+    assert world.purger.cleanup_candidates == {"05"}
+    await world.fire()
+    assert world.purge.calls == ["05", "05"]
+    assert world.purger.cleanup_candidates == set()
+
+
+async def test_cleanup_added_during_a_pass_is_not_double_armed(world: World) -> None:
+    world.acks[:] = ["09"]
+    world.purge.gate = asyncio.Event()
+    world.purger.schedule_cleanup("05")
+    world.timers.advance(CLEANUP_DELAY_S)
+    await asyncio.sleep(0)
+    world.purger.schedule_cleanup("07")
+    assert world.timers.pending() == []
+    world.purge.gate.set()
+    await world.purger.idle()
+    assert world.timers.pending() == [30.0]
+    assert world.purger.cleanup_candidates == {"07"}
+
+
+# -- against a real change DB ---------------------------------------------------------
+
+OWNER = "task-a"
+
+
+def stored_tx(watermark: str) -> list[ChangeRow]:
+    return [
+        ChangeRow(watermark, 0, '{"tag":"begin"}'),
+        ChangeRow(watermark, 1, '{"tag":"insert"}'),
+        ChangeRow(watermark, 2, '{"tag":"commit"}', watermark),
+    ]
+
+
+async def test_purges_a_real_change_log_but_keeps_the_newest_transaction(
+    tmp_path: Path,
+) -> None:
+    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
+    try:
+        await migrate(db)
+        replication = Replication(db)
+        await replication.ensure_config(SubscriptionState("01", ("pub",), "01"), auto_reset=False)
+        await replication.assume_ownership(OWNER, "127.0.0.1:4849")
+        log = ChangeLog(db)
+        for w in ("02", "03", "04"):
+            async with log.write(OWNER) as tx:
+                await tx.append(stored_tx(w))
+                tx.set_last_watermark(w)
+
+        timers = ManualTimers()
+        acks = ["03"]
+        fatal: list[BaseException] = []
+        purger = Purger(
+            lambda w: log.purge_before(w, OWNER),
+            lambda: acks,
+            list,
+            timers,
+            on_fatal=fatal.append,
+        )
+        purger.track_backup_watermark("05")
+        timers.advance(CLEANUP_DELAY_S)
+        await purger.idle()
+        assert await log.min_watermark() == "03"  # the seed rows and 02 are gone
+        assert await log.count() == 6
+
+        acks.clear()  # the subscriber left: purge up to the backup
+        timers.advance(CLEANUP_DELAY_S)
+        await purger.idle()
+        assert purger.purged_watermark == "05"
+        assert await log.min_watermark() == "04"  # the newest transaction stays
+        assert await log.count() == 3
+        assert timers.pending() == []
+
+        # Another change-streamer takes over: the next purge deletes nothing and
+        # reports the loss.
+        async with log.write(OWNER) as tx:
+            await tx.append(stored_tx("06"))
+            tx.set_last_watermark("06")
+        await replication.assume_ownership("task-b", "127.0.0.1:4850")
+        purger.track_backup_watermark("07")
+        timers.advance(CLEANUP_DELAY_S)
+        await purger.idle()
+        assert [type(e) for e in fatal] == [OwnershipLostError]
+        assert await log.count() == 6
+        await purger.stop()
+    finally:
+        await db.dispose()
