@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,7 +124,10 @@ class Storer:
         self._catchup_batch = catchup_batch
 
         # Enqueue side (the main loop, synchronous).
-        self._queue: asyncio.Queue[_Entry | object] = asyncio.Queue()
+        # A deque and an event instead of asyncio.Queue: this is on the per-change
+        # hot path, and the queue's bound is the byte budget (ready_for_more).
+        self._queue: deque[_Entry | object] = deque()
+        self._queue_ready = asyncio.Event()
         self._queued_bytes = 0
         self._enqueued_in_tx = False
         self._last_enqueued_commit = durable_watermark
@@ -147,7 +151,8 @@ class Storer:
     ) -> None:
         """Queues one begin/data/commit/rollback message of the stream."""
         self._queued_bytes += len(message_json)
-        self._queue.put_nowait(_Entry(watermark, tag, message_json, body))
+        self._queue.append(_Entry(watermark, tag, message_json, body))
+        self._queue_ready.set()
         if tag == "begin":
             self._enqueued_in_tx = True
         elif tag == "commit":
@@ -158,7 +163,8 @@ class Storer:
 
     def abort(self) -> None:
         """The stream broke: drop the open transaction (nothing of it is stored)."""
-        self._queue.put_nowait(_ABORT)
+        self._queue.append(_ABORT)
+        self._queue_ready.set()
         self._end_enqueued_tx()
 
     def catchup(self, sub: Subscriber, mode: Mode) -> None:
@@ -293,9 +299,11 @@ class Storer:
         try:
             stopping = False
             while not stopping:
-                items = [await self._queue.get()]
-                while len(items) < self._group_max_rows and not self._queue.empty():
-                    items.append(self._queue.get_nowait())
+                while not self._queue:
+                    self._queue_ready.clear()
+                    await self._queue_ready.wait()
+                queue = self._queue
+                items = [queue.popleft() for _ in range(min(len(queue), self._group_max_rows))]
                 for item in items:
                     if item is _STOP:
                         stopping = True
@@ -369,8 +377,8 @@ class Storer:
             self._on_durable(acked[-1])
 
     def _drain_queue(self) -> None:
-        while not self._queue.empty():
-            item = self._queue.get_nowait()
+        while self._queue:
+            item = self._queue.popleft()
             if isinstance(item, _Entry):
                 self._queued_bytes -= len(item.json)
         # Subscribers parked mid-transaction can no longer be served: they reconnect.
@@ -386,8 +394,9 @@ class Storer:
         """
         if not self._running:
             return
-        self._queue.put_nowait(_ABORT)
-        self._queue.put_nowait(_STOP)
+        self._queue.append(_ABORT)
+        self._queue.append(_STOP)
+        self._queue_ready.set()
         deadline = self._timers.monotonic() + drain_timeout_s
         while self._running:
             if self._timers.monotonic() >= deadline:
