@@ -139,7 +139,7 @@ class Storer:
         self.durable = durable_watermark
         self._durable_changed = asyncio.Event()
         self._running = False
-        self._failure: BaseException | None = None
+        self._stopped = asyncio.Event()
         self._catchups: set[asyncio.Task[None]] = set()
         self._runs_ended = 0
 
@@ -244,7 +244,7 @@ class Storer:
     async def run(self) -> None:
         """Writes queued changes until ``stop``; raises what made it fail."""
         self._running = True
-        self._failure = None
+        self._stopped.clear()
         tx: _OpenTx | None = None
         completed: list[_OpenTx] = []
         writer: contextlib.AbstractAsyncContextManager[WriteTransaction] | None = None
@@ -357,9 +357,6 @@ class Storer:
                     await flush_completed()
                 # else: completed transactions wait for the big open one to commit,
                 # since they share its database transaction (whole transactions only).
-        except BaseException as e:
-            self._failure = e
-            raise
         finally:
             self._running = False
             with contextlib.suppress(BaseException):
@@ -368,6 +365,7 @@ class Storer:
             self._drain_queue()
             self._runs_ended += 1
             self._durable_changed.set()
+            self._stopped.set()
 
     def _made_durable(self, group: list[_OpenTx]) -> None:
         self.durable = group[-1].watermark
@@ -390,20 +388,20 @@ class Storer:
     async def stop(self, *, drain_timeout_s: float = 30.0) -> None:
         """Aborts the open transaction, writes what is complete, and ends ``run``.
 
-        Raises ``AbortError`` if the queue does not drain within the timeout.
+        Raises ``AbortError`` if the queue does not drain within the timeout (real
+        time: this is the last safety net when the change log hangs).
         """
         if not self._running:
             return
         self._queue.append(_ABORT)
         self._queue.append(_STOP)
         self._queue_ready.set()
-        deadline = self._timers.monotonic() + drain_timeout_s
-        while self._running:
-            if self._timers.monotonic() >= deadline:
-                raise AbortError(
-                    f"changeLog did not drain within {round(drain_timeout_s * 1000)}ms"
-                )
-            await asyncio.sleep(0.01)
+        try:
+            await asyncio.wait_for(self._stopped.wait(), drain_timeout_s)
+        except TimeoutError:
+            raise AbortError(
+                f"changeLog did not drain within {round(drain_timeout_s * 1000)}ms"
+            ) from None
 
     def reset_for_stream(self, durable_watermark: str) -> None:
         """A new upstream stream starts from ``durable_watermark`` (what is stored)."""

@@ -8,9 +8,17 @@ from typing import Any
 
 import pytest
 
+from app.protocol.canonical_json import loads
 from app.protocol.errors import ErrorType
 from app.sources.memory import MemoryChangeSource, MemoryChangeStream
-from app.storage import AutoResetSignal, ChangeDb, ChangeLog, OwnershipLostError, Replication
+from app.storage import (
+    AbortError,
+    AutoResetSignal,
+    ChangeDb,
+    ChangeLog,
+    OwnershipLostError,
+    Replication,
+)
 from app.streamer.downstream import Downstream
 from app.streamer.service import (
     ChangeStreamerService,
@@ -359,3 +367,130 @@ async def test_lag_reports_are_forwarded_to_live_subscribers(svc: Service) -> No
     )
     msgs = await collect(ds, 5)
     assert msgs[-1] == ["status", {"tag": "status", "lagReport": report}]
+
+
+# -- purge, reservations, back pressure (core.md §7 items 8, 9, 17, 18, 29) ----
+
+
+async def test_cleanup_purges_to_the_slowest_subscriber_after_30_s(svc: Service) -> None:
+    stream = await svc.stream()
+    stream.push_all([*txn("02"), *txn("03"), *txn("04")])
+    await svc.durable("04")
+    slow = svc.subscribe("03", id="slow")  # stays at 03: it never acks anything new
+    await asyncio.sleep(0.05)
+    svc.service.track_backup_watermark("04")
+    assert svc.timers.pending().count(30.0) == 1  # (the 1 s progress tick is armed too)
+    svc.timers.advance(30)
+    await svc.service.purger.idle()
+    # Floor = min(backup 04, slow subscriber at 03) = 03: 01 and 02 are gone.
+    assert {w for w, _ in await svc.stored()} == {"03", "04"}
+    late = svc.subscribe("02", id="late")
+    msgs = await collect(late, 1)
+    assert msgs == [
+        [
+            "error",
+            {
+                "type": int(ErrorType.WATERMARK_TOO_OLD),
+                "message": "earliest supported watermark is 03 (requested 02)",
+            },
+        ]
+    ]
+    slow.close()
+
+
+async def test_cleanup_without_subscribers_reaches_the_backup_and_is_not_rearmed(
+    svc: Service,
+) -> None:
+    stream = await svc.stream()
+    stream.push_all([*txn("02"), *txn("03")])
+    await svc.durable("03")
+    svc.service.track_backup_watermark("03")
+    svc.timers.advance(30)
+    await svc.service.purger.idle()
+    assert {w for w, _ in await svc.stored()} == {"03"}
+    assert 30.0 not in svc.timers.pending()
+
+
+async def test_snapshot_reservation_needs_backups(svc: Service) -> None:
+    with pytest.raises(Exception, match="backups are not configured"):
+        svc.service.start_snapshot_reservation("task-1")
+
+
+async def test_a_reservation_is_confirmed_at_the_backup_and_closed_by_the_subscription(
+    change_db: ChangeDb,
+) -> None:
+    s = Service(change_db, backup_url="file:///backups/replica")
+    stream = await s.stream()
+    stream.push_all([*txn("02"), *txn("03")])
+    await s.durable("03")
+    reservation = s.service.start_snapshot_reservation("task-1")
+    s.service.track_backup_watermark("03")
+    status = await asyncio.wait_for(anext(aiter(reservation)), 10)
+    assert loads(status) == [
+        "status",
+        {
+            "tag": "status",
+            "backupURL": "file:///backups/replica",
+            "replicaVersion": "01",
+            "minWatermark": "03",
+        },
+    ]
+    s.subscribe("03", id="restored")
+    s.service.subscribe(
+        SubscriberContext(6, "restored-2", "serving", REPLICA_VERSION, "03", task_id="task-1")
+    )
+    await asyncio.wait_for(reservation.closed, 10)
+    assert reservation.outcome == "completed"
+    await s.stop()
+
+
+async def test_upstream_death_behind_a_wedged_storer_rolls_back_at_once(
+    change_db: ChangeDb,
+) -> None:
+    s = Service(change_db, back_pressure_bytes=100)
+    ds = s.subscribe(REPLICA_VERSION)
+    stream = await s.stream()
+    # Hold the single writer connection (and SQLite's write lock): the log is wedged.
+    blocker = await change_db.writer.connect()
+    await blocker.begin()
+    try:
+        # The commit of 02 makes the storer write, and wait for the connection.
+        stream.push_all([*txn("02"), begin("03"), *[insert(i) for i in range(50)]])
+        await asyncio.sleep(0.3)
+        assert s.service.storer.ready_for_more() is not None  # upstream is held back
+        stream.fail(ConnectionError("upstream died"))
+        # The rollback arrives while the storer is still stuck.
+        while True:
+            msg = loads(await asyncio.wait_for(ds.get(), 10))
+            ds.ack_next()
+            if msg[0] == "rollback":
+                break
+        assert len(s.source.streams) == 1
+    finally:
+        await blocker.rollback()
+        await blocker.close()
+    # Once the log drains (02 gets stored, 03 was dropped), the service
+    # reconnects from the last stored commit.
+    second = await s.stream(2)
+    assert second.after_watermark == "02"
+    await s.stop()
+
+
+async def test_a_storer_that_cannot_drain_stops_the_service(change_db: ChangeDb) -> None:
+    s = Service(change_db, drain_timeout_s=0.3)
+    stream = await s.stream()
+    stream.push_all(txn("02"))
+    await s.durable("02")
+    # Hold the single writer connection (and SQLite's write lock).
+    blocker = await change_db.writer.connect()
+    await blocker.begin()
+    try:
+        stream.push_all(txn("03"))
+        await asyncio.sleep(0.1)
+        stream.fail(ConnectionError("upstream died"))
+        with pytest.raises(AbortError, match="did not drain within 300ms"):
+            await asyncio.wait_for(s.run, 20)
+        assert len(s.source.streams) == 1  # no reconnect
+    finally:
+        await blocker.rollback()
+        await blocker.close()

@@ -1,0 +1,258 @@
+"""Forward-store-ack throughput, latency and isolation, through the in-process API.
+
+    python -m bench.fanout                       # all scenarios
+    python -m bench.fanout --scenarios throughput --changes 200000
+
+Until the websocket server exists this drives ``ChangeStreamerService`` directly:
+an in-process source hands it pre-built, validated messages (so the source's own
+parsing is not measured), the change log is a SQLite file (synchronous=FULL),
+and each subscriber is a task that takes messages from its channel and acks
+them at once, in the same process and on the same core as the service.
+
+Scenarios:
+
+* ``throughput`` — K = 1, 4, 16 subscribers; transactions of 5 inserts
+  (~220-byte changes) as fast as the service takes them. Reports data changes/s
+  stored and delivered to every subscriber, and messages/s delivered in total.
+* ``latency`` — one subscriber, the source paced at ``--rate`` changes/s; p50 and
+  p99 of commit-received-by-subscriber minus commit-handed-to-the-service.
+* ``stall`` — 8 subscribers, as fast as possible, once all healthy and once with
+  one that never acks; reports the healthy subscribers' rate in both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from app.protocol.lexi import to_lexi
+from app.protocol.messages import ChangeSourceMessage, parse_change_source_message
+from app.sources.base import BackfillRequest, ChangeSource, ChangeStream
+from app.storage import (
+    Replication,
+    Shard,
+    SubscriptionState,
+    create_change_db,
+    migrate,
+    parse_change_db_url,
+)
+from app.streamer.downstream import Downstream, DownstreamClosed
+from app.streamer.service import ChangeStreamerService, SubscriberContext
+
+REPLICA_VERSION = "01"
+ROWS_PER_TX = 5
+
+
+def build_transactions(count: int) -> list[tuple[str, list[ChangeSourceMessage]]]:
+    out = []
+    for n in range(2, count + 2):
+        w = to_lexi(n)
+        msgs: list[Any] = [["begin", {"tag": "begin"}, {"commitWatermark": w}]]
+        for i in range(ROWS_PER_TX):
+            msgs.append(
+                [
+                    "data",
+                    {
+                        "tag": "insert",
+                        "relation": {
+                            "schema": "public",
+                            "name": "issues",
+                            "rowKey": {"columns": ["id"], "type": "default"},
+                        },
+                        "new": {
+                            "id": f"{n:08d}-{i}",
+                            "title": f"Benchmark row number {n * 10 + i}",
+                            "status": "open",
+                            "priority": 3,
+                            "modified": 1764426733675.125,
+                        },
+                    },
+                ]
+            )
+        msgs.append(["commit", {"tag": "commit"}, {"watermark": w}])
+        out.append((w, [parse_change_source_message(m) for m in msgs]))
+    return out
+
+
+class ListStream(ChangeStream):
+    """Yields prepared transactions, optionally paced to a change rate."""
+
+    def __init__(
+        self,
+        txs: list[tuple[str, list[ChangeSourceMessage]]],
+        *,
+        rate: float | None,
+        sent_at: dict[str, float],
+    ) -> None:
+        self._txs = txs
+        self._rate = rate
+        self._sent_at = sent_at
+        self._closed = False
+        self._closed_event = asyncio.Event()
+
+    async def _gen(self) -> AsyncIterator[ChangeSourceMessage]:
+        start = time.perf_counter()
+        changes = 0
+        for i, (w, msgs) in enumerate(self._txs):
+            if self._closed:
+                return
+            if self._rate is not None:
+                due = start + changes / self._rate
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            elif i % 20 == 0:
+                await asyncio.sleep(0)
+            for m in msgs[:-1]:
+                yield m
+            self._sent_at[w] = time.perf_counter()
+            yield msgs[-1]
+            changes += ROWS_PER_TX
+        await self._closed_event.wait()
+
+    def __aiter__(self) -> AsyncIterator[ChangeSourceMessage]:
+        return self._gen()
+
+    def ack(self, status: list[Any]) -> None:
+        pass
+
+    async def close(self) -> None:
+        self._closed = True
+        self._closed_event.set()
+
+
+class ListSource(ChangeSource):
+    def __init__(self, stream: ListStream) -> None:
+        self._stream = stream
+
+    async def start_stream(
+        self, after_watermark: str, backfill_requests: list[BackfillRequest]
+    ) -> ChangeStream:
+        return self._stream
+
+
+async def consume(
+    ds: Downstream, final: str, received_at: dict[str, float] | None, *, ack: bool = True
+) -> int:
+    """Takes and acks messages until the final commit; returns messages received."""
+    n = 0
+    try:
+        while True:
+            text = await ds.get()
+            n += 1
+            if ack:
+                ds.ack_next()
+            else:
+                await asyncio.sleep(3600)
+            if text.startswith('["commit"'):
+                w = text[text.rindex(":") + 2 : -3]
+                if received_at is not None:
+                    received_at[w] = time.perf_counter()
+                if w == final:
+                    return n
+    except (DownstreamClosed, asyncio.CancelledError):
+        return n
+
+
+async def run(
+    txs: list[tuple[str, list[ChangeSourceMessage]]],
+    subscribers: int,
+    *,
+    rate: float | None = None,
+    stalled: int = 0,
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        db = create_change_db(parse_change_db_url(str(Path(tmp) / "cdc.db")), Shard())
+        await migrate(db)
+        await Replication(db).ensure_config(
+            SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
+        )
+        sent_at: dict[str, float] = {}
+        received_at: dict[str, float] = {}
+        stream = ListStream(txs, rate=rate, sent_at=sent_at)
+        service = ChangeStreamerService(
+            db=db,
+            source=ListSource(stream),
+            task_id="bench",
+            address=None,
+            replica_version=REPLICA_VERSION,
+            durable_watermark=REPLICA_VERSION,
+        )
+        final = txs[-1][0]
+        consumers = []
+        for i in range(subscribers):
+            ds = service.subscribe(
+                SubscriberContext(6, f"s{i}", "serving", REPLICA_VERSION, REPLICA_VERSION)
+            )
+            consumers.append(
+                asyncio.create_task(
+                    consume(ds, final, received_at if i == 0 else None, ack=i >= stalled)
+                )
+            )
+        start = time.perf_counter()
+        runner = asyncio.create_task(service.run())
+        healthy = consumers[stalled:]
+        counts = await asyncio.gather(*healthy)
+        delivered_s = time.perf_counter() - start
+        await service.storer.wait_durable(final)
+        stored_s = time.perf_counter() - start
+        for task in consumers[:stalled]:
+            task.cancel()
+        await service.stop()
+        await asyncio.gather(runner, *consumers, return_exceptions=True)
+        await db.dispose()
+    changes = len(txs) * ROWS_PER_TX
+    latencies = sorted((received_at[w] - sent_at[w]) * 1000 for w in received_at if w in sent_at)
+    return {
+        "changes/s": changes / max(delivered_s, stored_s),
+        "messages/s delivered": sum(counts) / delivered_s,
+        "p50 ms": statistics.median(latencies) if latencies else float("nan"),
+        "p99 ms": latencies[int(len(latencies) * 0.99) - 1] if latencies else float("nan"),
+        "healthy changes/s": changes / delivered_s,
+    }
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scenarios", default="throughput,latency,stall")
+    parser.add_argument("--changes", type=int, default=100_000)
+    parser.add_argument("--rate", type=float, default=10_000.0)
+    parser.add_argument("--latency-seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    scenarios = args.scenarios.split(",")
+    txs = build_transactions(args.changes // ROWS_PER_TX)
+
+    if "throughput" in scenarios:
+        print(f"{'K':>3} {'changes/s (stored+delivered)':>30} {'messages/s delivered':>22}")
+        for k in (1, 4, 16):
+            r = await run(txs, k)
+            rate, delivered = r["changes/s"], r["messages/s delivered"]
+            print(f"{k:>3} {rate:>30,.0f} {delivered:>22,.0f}", flush=True)
+    if "latency" in scenarios:
+        n = int(args.rate * args.latency_seconds) // ROWS_PER_TX
+        r = await run(build_transactions(n), 1, rate=args.rate)
+        print(
+            f"latency at {args.rate:,.0f} changes/s, 1 subscriber: "
+            f"p50 {r['p50 ms']:.2f} ms, p99 {r['p99 ms']:.2f} ms",
+            flush=True,
+        )
+    if "stall" in scenarios:
+        base = await run(txs, 8)
+        stalled = await run(txs, 8, stalled=1)
+        ratio = stalled["healthy changes/s"] / base["healthy changes/s"]
+        print(
+            f"8 subscribers: all healthy {base['healthy changes/s']:,.0f} changes/s each; "
+            f"one stalled: the 7 others {stalled['healthy changes/s']:,.0f} changes/s "
+            f"({ratio:.0%} of healthy)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
