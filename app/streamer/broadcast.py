@@ -53,7 +53,7 @@ class Broadcast:
             self.done.set_result("all-subscribers")
             return
         for sub in subscribers:
-            result = sub.send(change)
+            result = sub.send(change, track=True)
             if result is None or result.done():
                 self._complete(sub)
             else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from typing import Literal, overload
 
 DEFAULT_MAX_UNCONSUMED_BYTES = 64 * 1024 * 1024
 
@@ -28,8 +29,8 @@ class DownstreamClosed(Exception):
 class Downstream:
     def __init__(self, *, max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES) -> None:
         self._max = max_unconsumed_bytes
-        self._unsent: deque[tuple[str, asyncio.Future[bool]]] = deque()
-        self._sent: deque[tuple[int, asyncio.Future[bool]]] = deque()
+        self._unsent: deque[tuple[str, asyncio.Future[bool] | None]] = deque()
+        self._sent: deque[tuple[int, asyncio.Future[bool] | None]] = deque()
         self._unconsumed_bytes = 0
         self._wakeup: asyncio.Event = asyncio.Event()
         self._closed = False
@@ -62,10 +63,25 @@ class Downstream:
         else:
             self._on_close.append(callback)
 
-    def push(self, message: str) -> asyncio.Future[bool]:
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    @overload
+    def push(self, message: str) -> asyncio.Future[bool]: ...
+    @overload
+    def push(self, message: str, *, track: Literal[True]) -> asyncio.Future[bool]: ...
+    @overload
+    def push(self, message: str, *, track: bool) -> asyncio.Future[bool] | None: ...
+
+    def push(self, message: str, *, track: bool = True) -> asyncio.Future[bool] | None:
+        """Queues a message; with ``track``, returns the future of its consumption.
+
+        Untracked pushes skip the future: most forwarded changes have nobody
+        waiting on them, and a future per change is a measurable cost.
+        """
+        future: asyncio.Future[bool] | None = None
+        if track:
+            future = asyncio.get_running_loop().create_future()
         if self._closed:
-            future.set_result(False)
+            if future is not None:
+                future.set_result(False)
             return future
         self._unsent.append((message, future))
         self._unconsumed_bytes += len(message)
@@ -103,7 +119,7 @@ class Downstream:
         size, future = self._sent.popleft()
         self._unconsumed_bytes -= size
         self.consumed += 1
-        if not future.done():
+        if future is not None and not future.done():
             future.set_result(True)
 
     @property
@@ -117,11 +133,11 @@ class Downstream:
         self._closed = True
         self._close_reason = reason
         for _, future in self._unsent:
-            if not future.done():
+            if future is not None and not future.done():
                 future.set_result(False)
-        for _, future in self._sent:
-            if not future.done():
-                future.set_result(False)
+        for _, pending in self._sent:
+            if pending is not None and not pending.done():
+                pending.set_result(False)
         self._unsent.clear()
         self._sent.clear()
         self._unconsumed_bytes = 0

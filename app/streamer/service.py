@@ -29,6 +29,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from app.protocol.canonical_json import dumps
+from app.protocol.codec import reconstruct
 from app.protocol.downstream import SYNTHETIC_ROLLBACK_JSON
 from app.protocol.errors import ErrorType
 from app.protocol.messages import (
@@ -391,11 +392,16 @@ class ChangeStreamerService:
                 self.changes += 1
         else:  # pragma: no cover - the union is exhaustive
             raise UnrecoverableError(f"unexpected message {message!r}")
-        text = dumps(message.as_list())
+        # Serialize the change object once; the message around it is a fixed
+        # frame (watermarks are LexiVersions: nothing to escape), byte-identical
+        # to serializing the whole tuple, and the storer keeps the object's text.
+        change_json = dumps(message.body)
+        text = reconstruct(watermark, tag, change_json)
         # No await between storing and forwarding: the storer's queue and the
         # forwarder's transaction state must describe the same stream position.
-        self.storer.store(watermark, tag, text, body)
-        self.acker.on_upstream(message)
+        self.storer.store(watermark, tag, change_json, body)
+        if not isinstance(message, Data):
+            self.acker.on_upstream(message)
         return len(text), Change(watermark, tag, text)
 
     async def _reset_required(self, control: Control) -> None:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.protocol.codec import change_tag, extract_change, reconstruct
+from app.protocol.codec import change_tag, reconstruct
 from app.protocol.errors import ErrorType
 from app.storage import AbortError, AutoResetSignal, ChangeLog, ChangeRow, Replication
 from app.storage.backfill import BookkeepingOp, bookkeeping_for
@@ -66,7 +66,7 @@ class StorerStopped(Exception):
 class _Entry:
     watermark: str
     tag: str
-    json: str
+    json: str  # the change object's text, as stored
     body: dict[str, Any] | None  # kept for begin (skipAck) and schema changes
 
 
@@ -326,7 +326,7 @@ class Storer:
                             )
                         skip = bool(item.body and item.body.get("skipAck") is True)
                         tx = _OpenTx(item.watermark, skip)
-                        tx.rows.append(ChangeRow(item.watermark, 0, extract_change(item.json)))
+                        tx.rows.append(ChangeRow(item.watermark, 0, item.json))
                         tx.bytes = len(item.json)
                         continue
                     if tx is None:
@@ -338,13 +338,11 @@ class Storer:
                         continue
                     tx.pos += 1
                     if item.tag == "commit":
-                        tx.rows.append(
-                            ChangeRow(tx.watermark, tx.pos, extract_change(item.json), tx.watermark)
-                        )
+                        tx.rows.append(ChangeRow(tx.watermark, tx.pos, item.json, tx.watermark))
                         completed.append(tx)
                         tx = None
                         continue
-                    tx.rows.append(ChangeRow(tx.watermark, tx.pos, extract_change(item.json)))
+                    tx.rows.append(ChangeRow(tx.watermark, tx.pos, item.json))
                     tx.bytes += len(item.json)
                     if item.body is not None:
                         tx.ops.extend(bookkeeping_for(item.body))

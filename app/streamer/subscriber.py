@@ -102,16 +102,17 @@ class Subscriber:
 
     # -- live path ----------------------------------------------------------
 
-    def send(self, change: Change) -> asyncio.Future[Any] | None:
-        """A live change. Returns what flow control waits on, or None if nothing.
+    def send(self, change: Change, *, track: bool = False) -> asyncio.Future[Any] | None:
+        """A live change. With ``track``, returns what flow control waits on, if anything.
 
         Emitted directly: the consumption of the change. In catch-up: None while
-        the backlog is below high water, else the gate that opens at low water.
+        the backlog is below high water, else the gate that opens at low water
+        (returned whether tracked or not: it is also the backlog's bound).
         """
         if self._closed or change.watermark <= self.watermark:
             return None
         if self._backlog is None:
-            return self._emit(change)
+            return self._emit(change, track=track)
         self._backlog.append(change)
         self._backlog_bytes += len(change.json)
         if self.buffered_bytes < self._high_water:
@@ -128,9 +129,9 @@ class Subscriber:
     # -- catch-up path ------------------------------------------------------
 
     def catchup(self, change: Change) -> asyncio.Future[bool] | None:
-        """A change read from the change log; returns its consumption, None if filtered."""
+        """A change read from the change log; returns the consumption of commits."""
         self._initialize()
-        return self._emit(change)
+        return self._emit(change, track=False)
 
     def set_caught_up(self) -> None:
         """Catch-up is done: drain the backlog (bounded in flight), then go live."""
@@ -148,7 +149,7 @@ class Subscriber:
             change = backlog.popleft()
             size = len(change.json)
             self._backlog_bytes -= size
-            consumed = self._emit(change)
+            consumed = self._emit(change, track=True)
             if consumed is not None:
                 self._drain_bytes += size
                 consumed.add_done_callback(partial(self._drained, size))
@@ -181,19 +182,20 @@ class Subscriber:
         if self.protocol_version >= 2 and not self._closed:
             self.downstream.push(status_json(self._latest_lag_report()))
 
-    def _emit(self, change: Change) -> asyncio.Future[bool] | None:
+    def _emit(self, change: Change, *, track: bool) -> asyncio.Future[bool] | None:
+        """Pushes ``change``; returns its consumption if tracked (commits always are)."""
         if self._closed or change.watermark <= self.watermark:
             return None
         if self.protocol_version < _MIN_VERSION.get(change.tag, 0):
             return None
+        if change.tag != "commit":
+            return self.downstream.push(change.json, track=track)
         consumed = self.downstream.push(change.json)
-        if change.tag == "commit":
-            self.watermark = change.watermark
-            watermark = change.watermark
-            consumed.add_done_callback(lambda f: self._on_commit_consumed(f, watermark))
+        self.watermark = change.watermark
+        consumed.add_done_callback(partial(self._on_commit_consumed, change.watermark))
         return consumed
 
-    def _on_commit_consumed(self, future: asyncio.Future[bool], watermark: str) -> None:
+    def _on_commit_consumed(self, watermark: str, future: asyncio.Future[bool]) -> None:
         if not future.cancelled() and future.result() and watermark > self.acked:
             self.acked = watermark
 

@@ -18,32 +18,25 @@ from app.streamer.timers import ManualTimers
 from .conftest import OWNER, REPLICA_VERSION
 from .helpers import collect, drain, make_sub, settle
 
+# Entries as the service hands them to the storer: (watermark, tag, change text, body).
+
 
 def begin(w: str, **extra: object) -> tuple[str, str, str, dict[str, object]]:
     body = {"tag": "begin", **extra}
-    return w, "begin", dumps(["begin", body, {"commitWatermark": w}]), body
+    return w, "begin", dumps(body), body
 
 
 def insert(w: str, i: int) -> tuple[str, str, str, None]:
-    return (
-        w,
-        "insert",
-        dumps(
-            [
-                "data",
-                {"tag": "insert", "relation": {"schema": "public", "name": "t"}, "new": {"id": i}},
-            ]
-        ),
-        None,
-    )
+    change = {"tag": "insert", "relation": {"schema": "public", "name": "t"}, "new": {"id": i}}
+    return w, "insert", dumps(change), None
 
 
 def commit(w: str) -> tuple[str, str, str, None]:
-    return w, "commit", dumps(["commit", {"tag": "commit"}, {"watermark": w}]), None
+    return w, "commit", dumps({"tag": "commit"}), None
 
 
 def rollback(w: str) -> tuple[str, str, str, None]:
-    return w, "rollback", dumps(["rollback", {"tag": "rollback"}]), None
+    return w, "rollback", dumps({"tag": "rollback"}), None
 
 
 def txn(w: str, n: int = 1) -> list[tuple[str, str, str, object]]:
