@@ -467,8 +467,12 @@ def _is_fatal(error: BaseException) -> bool:
 
 
 def _is_missing_table(error: BaseException) -> bool:
-    """Postgres undefined_table: the change-log schema was dropped under us."""
-    return isinstance(error, DBAPIError) and getattr(error.orig, "sqlstate", None) == "42P01"
+    """Postgres undefined_table: the change-log schema was dropped under us.
+
+    Raised through SQLAlchemy (wrapped) or by the driver directly (the hot paths).
+    """
+    cause = error.orig if isinstance(error, DBAPIError) else error
+    return getattr(cause, "sqlstate", None) == "42P01"
 
 
 _SCHEMA_TAGS = frozenset(

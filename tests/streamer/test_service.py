@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from app.protocol.canonical_json import loads
 from app.protocol.errors import ErrorType
@@ -18,6 +20,11 @@ from app.storage import (
     ChangeLog,
     OwnershipLostError,
     Replication,
+    Shard,
+    SubscriptionState,
+    create_change_db,
+    migrate,
+    parse_change_db_url,
 )
 from app.streamer.downstream import Downstream
 from app.streamer.service import (
@@ -494,3 +501,46 @@ async def test_a_storer_that_cannot_drain_stops_the_service(change_db: ChangeDb)
     finally:
         await blocker.rollback()
         await blocker.close()
+
+
+async def test_start_stream_is_retried_at_the_watermark_of_the_last_big_transaction(
+    svc: Service,
+) -> None:
+    stream = await svc.stream()
+    stream.push_all(txn("02", *[insert(i, pad="q" * 1000) for i in range(300)]))
+    stream.end()
+    second = await svc.stream(2)
+    assert second.after_watermark == "02"  # the storer drained before the restart
+
+
+async def test_an_abort_error_from_the_source_stops_the_service(svc: Service) -> None:
+    stream = await svc.stream()
+    stream.fail(AbortError("another change-streamer took over the slot"))
+    with pytest.raises(AbortError, match="took over the slot"):
+        await asyncio.wait_for(svc.run, 10)
+    assert len(svc.source.streams) == 1
+
+
+async def test_a_dropped_change_log_schema_stops_the_service_cleanly(pg_url: str) -> None:
+    shard = Shard(f"drop{os.getpid()}", 0)
+    db = create_change_db(parse_change_db_url(pg_url), shard)
+    await migrate(db)
+    replication = Replication(db)
+    await replication.ensure_config(
+        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=True
+    )
+    s = Service(db)
+    try:
+        stream = await s.stream()
+        stream.push_all(txn("02"))
+        await s.durable("02")
+        async with db.writer.begin() as conn:
+            await conn.execute(text(f'DROP SCHEMA "{shard.cdc_schema}" CASCADE'))
+        stream.push_all(txn("03"))
+        await asyncio.wait_for(s.run, 20)  # returns: no exception, no retry loop
+        assert not s.service.running
+    finally:
+        await s.stop()
+        async with db.writer.begin() as conn:
+            await conn.execute(text(f'DROP SCHEMA IF EXISTS "{shard.cdc_schema}" CASCADE'))
+        await db.dispose()
