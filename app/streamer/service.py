@@ -29,6 +29,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from app.protocol.canonical_json import dumps
+from app.protocol.changes import SCHEMA_CHANGE_TAGS
 from app.protocol.codec import reconstruct
 from app.protocol.downstream import SYNTHETIC_ROLLBACK_JSON
 from app.protocol.errors import ErrorType
@@ -475,20 +476,7 @@ def _is_missing_table(error: BaseException) -> bool:
     return getattr(cause, "sqlstate", None) == "42P01"
 
 
-_SCHEMA_TAGS = frozenset(
-    {
-        "create-table",
-        "rename-table",
-        "update-table-metadata",
-        "add-column",
-        "update-column",
-        "drop-column",
-        "drop-table",
-        "create-index",
-        "drop-index",
-        "backfill-completed",
-    }
-)
+_SCHEMA_TAGS = frozenset(SCHEMA_CHANGE_TAGS)
 
 
 def _is_schema(tag: str) -> bool:
