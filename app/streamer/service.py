@@ -358,13 +358,25 @@ class ChangeStreamerService:
 
     def _dispatch(self, message: ChangeSourceMessage) -> tuple[int, Change] | None:
         """Handles one message (not a control); returns the change to forward, if any."""
-        if isinstance(message, Status):
+        kind = type(message)
+        if kind is Data:  # the common case first
+            assert isinstance(message, Data)
+            if self._tx is None:
+                raise UnrecoverableError(
+                    f"'data' change ({message.tag}) received before 'begin' message"
+                )
+            watermark, tag = self._tx, message.tag
+            body = message.body if tag in _SCHEMA_TAGS else None
+            self.changes += 1
+        elif kind is Status:
+            assert isinstance(message, Status)
             self.acker.on_upstream(message)
             if message.lag_report is not None:
                 self._latest_lag_report = message.lag_report
                 self.forwarder.send_status()
             return None
-        if isinstance(message, Begin):
+        elif kind is Begin:
+            assert isinstance(message, Begin)
             if self._tx is not None:
                 raise UnrecoverableError(
                     f"'begin' {message.commit_watermark} received while transaction "
@@ -372,7 +384,8 @@ class ChangeStreamerService:
                 )
             self._tx = message.commit_watermark
             watermark, tag, body = message.commit_watermark, "begin", message.body
-        elif isinstance(message, Commit):
+        elif kind is Commit:
+            assert isinstance(message, Commit)
             if self._tx is None:
                 raise UnrecoverableError("'commit' change received before 'begin' message")
             if message.watermark != self._tx:
@@ -382,15 +395,12 @@ class ChangeStreamerService:
                 )
             watermark, tag, body = self._tx, "commit", None
             self.transactions += 1
-        elif isinstance(message, (Data, Rollback)):
+        elif kind is Rollback:
             if self._tx is None:
                 raise UnrecoverableError(
-                    f"'{message.kind}' change ({message.tag}) received before 'begin' message"
+                    "'rollback' change (rollback) received before 'begin' message"
                 )
-            watermark, tag = self._tx, message.tag
-            body = message.body if isinstance(message, Data) and _is_schema(tag) else None
-            if isinstance(message, Data):
-                self.changes += 1
+            watermark, tag, body = self._tx, "rollback", None
         else:  # pragma: no cover - the union is exhaustive
             raise UnrecoverableError(f"unexpected message {message!r}")
         # Serialize the change object once; the message around it is a fixed
@@ -401,7 +411,7 @@ class ChangeStreamerService:
         # No await between storing and forwarding: the storer's queue and the
         # forwarder's transaction state must describe the same stream position.
         self.storer.store(watermark, tag, change_json, body)
-        if not isinstance(message, Data):
+        if kind is not Data:
             self.acker.on_upstream(message)
         return len(text), Change(watermark, tag, text)
 
@@ -477,7 +487,3 @@ def _is_missing_table(error: BaseException) -> bool:
 
 
 _SCHEMA_TAGS = frozenset(SCHEMA_CHANGE_TAGS)
-
-
-def _is_schema(tag: str) -> bool:
-    return tag in _SCHEMA_TAGS

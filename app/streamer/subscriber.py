@@ -62,6 +62,7 @@ class Subscriber:
         self.acked = watermark
         self.downstream = downstream
         self._latest_lag_report = latest_lag_report
+        self._unsupported = frozenset(t for t, v in _MIN_VERSION.items() if protocol_version < v)
         self._high_water = high_water
         self._low_water = int(high_water * BACKLOG_LOW_WATER_FRACTION)
         self._backlog: deque[Change] | None = deque()
@@ -186,7 +187,7 @@ class Subscriber:
         """Pushes ``change``; returns its consumption if tracked (commits always are)."""
         if self._closed or change.watermark <= self.watermark:
             return None
-        if self.protocol_version < _MIN_VERSION.get(change.tag, 0):
+        if change.tag in self._unsupported:
             return None
         if change.tag != "commit":
             return self.downstream.push(change.json, track=track)
