@@ -11,19 +11,27 @@ import argparse
 import asyncio
 import logging
 import sys
+import uuid
 from collections.abc import Sequence
 
 from app.config import Settings, SettingsError, load_settings
+from app.sources.demo import DemoChangeSource
 from app.storage import (
     ChangeDb,
     ChangeDbConfigError,
     ChangeDbSetupError,
+    Replication,
+    SubscriptionState,
     create_change_db,
     migrate,
     parse_change_db_url,
 )
+from app.streamer.service import ChangeStreamerService, StreamerOptions
 
 log = logging.getLogger("changestreamer")
+
+# The demo has no replica to sync: its change log starts at this version.
+DEMO_REPLICA_VERSION = "01"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,16 +86,77 @@ def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | No
 
     from app.server.app import create_app
 
+    if settings.upstream_db:
+        # The Postgres and custom upstreams are wired in by later work; the demo
+        # source is the embedded default.
+        print(
+            "changestreamer: ZERO_UPSTREAM_DB is set, but this version only runs the "
+            "built-in demo source; unset it to run the demo",
+            file=sys.stderr,
+        )
+        return 2
+    listen_host = host or settings.change_streamer_host
+    listen_port = port or settings.listen_port
+    server: uvicorn.Server | None = None
+
+    def shut_down() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    async def build_service() -> ChangeStreamerService:
+        return await demo_service(settings, db, address=f"{listen_host}:{listen_port}")
+
+    app = create_app(
+        db,
+        service_factory=build_service,
+        startup_delay_s=settings.startup_delay_ms / 1000,
+        on_service_exit=shut_down,
+    )
     config = uvicorn.Config(
-        create_app(db),
-        host=host or settings.change_streamer_host,
-        port=port or settings.listen_port,
+        app,
+        host=listen_host,
+        port=listen_port,
         ws_per_message_deflate=False,
+        # Pings at most every 30 s (zero's clients drop a silent socket after 33 s);
+        # a generous pong timeout, since a busy replica may answer late.
+        ws_ping_interval=20,
+        ws_ping_timeout=60,
         log_level=settings.log_level,
         lifespan="on",
     )
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    server.run()
     return 0
+
+
+async def demo_service(settings: Settings, db: ChangeDb, *, address: str) -> ChangeStreamerService:
+    """The service over the demo source, with the change log tied to its replica version."""
+
+    replication = Replication(db)
+    existing = await replication.config()
+    replica_version = existing.replica_version if existing is not None else DEMO_REPLICA_VERSION
+    state = await replication.state()
+    watermark = state.last_watermark if state is not None else replica_version
+    await replication.ensure_config(
+        SubscriptionState(replica_version, tuple(settings.app_publications), watermark),
+        auto_reset=settings.auto_reset,
+    )
+    state = await replication.state()
+    assert state is not None
+    return ChangeStreamerService(
+        db=db,
+        source=DemoChangeSource(settings.demo_state_file, rate_per_s=settings.demo_rate_per_s),
+        task_id=settings.task_id or f"changestreamer-{uuid.uuid4().hex[:12]}",
+        address=address,
+        replica_version=replica_version,
+        durable_watermark=state.last_watermark,
+        options=StreamerOptions(
+            back_pressure_bytes=settings.back_pressure_bytes,
+            timeout_proportion=settings.consensus_timeout_proportion,
+            slow_subscriber_grace_s=settings.slow_subscriber_grace_s,
+            auto_reset=settings.auto_reset,
+        ),
+    )
 
 
 if __name__ == "__main__":

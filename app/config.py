@@ -43,6 +43,32 @@ class Settings(BaseSettings):
         "127.0.0.1", validation_alias=AliasChoices("ZERO_CHANGE_STREAMER_HOST")
     )
     log_level: str = Field("info", validation_alias=AliasChoices("ZERO_LOG_LEVEL"))
+    upstream_db: str | None = Field(None, validation_alias=AliasChoices("ZERO_UPSTREAM_DB"))
+    task_id: str | None = Field(None, validation_alias=AliasChoices("ZERO_TASK_ID"))
+    startup_delay_ms: int = Field(
+        15_000, ge=0, validation_alias=AliasChoices("ZERO_CHANGE_STREAMER_STARTUP_DELAY_MS")
+    )
+    auto_reset: bool = Field(True, validation_alias=AliasChoices("ZERO_AUTO_RESET"))
+    back_pressure_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        validation_alias=AliasChoices("ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_BYTES"),
+    )
+    consensus_timeout_proportion: float = Field(
+        2.0,
+        validation_alias=AliasChoices(
+            "ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_TIMEOUT_PROPORTION"
+        ),
+    )
+    slow_subscriber_grace_s: float = Field(
+        30.0,
+        validation_alias=AliasChoices(
+            "ZERO_CHANGE_STREAMER_FLOW_CONTROL_SLOW_SUBSCRIBER_GRACE_PERIOD_SECONDS"
+        ),
+    )
+    demo_rate_per_s: float = Field(
+        10.0, gt=0, validation_alias=AliasChoices("CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND")
+    )
 
     @field_validator("app_publications", mode="before")
     @classmethod
@@ -73,6 +99,11 @@ class Settings(BaseSettings):
     def listen_port(self) -> int:
         """The change-streamer's port: ``ZERO_CHANGE_STREAMER_PORT``, else ``ZERO_PORT + 1``."""
         return self.change_streamer_port or self.port + 1
+
+    @property
+    def demo_state_file(self) -> Path:
+        """Where the demo source keeps its watermark counter (beside the change DB)."""
+        return self.replica_file.with_name(f"{self.shard.name}-demo.json")
 
     @property
     def change_db_url(self) -> str:

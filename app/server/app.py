@@ -1,28 +1,74 @@
-"""The FastAPI application.
+"""The FastAPI application: health endpoints and the replication websockets.
 
-For now it serves the health endpoints over an open change DB; the replication
-websockets arrive with the service core (see the README's status section).
+The app owns the service's lifetime. The change stream (which takes over the
+change log and the upstream) starts after ``startup_delay_s``, or at once when
+the first serving subscriber or snapshot reservation arrives — that proves the
+load balancer routes to this task (spec/wire.md §2.6).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
+from app.server.replication import router as replication_router
 from app.storage import ChangeDb
+from app.streamer.service import ChangeStreamerService
+
+log = logging.getLogger(__name__)
 
 
-def create_app(db: ChangeDb) -> FastAPI:
-    """The app over an already migrated change DB, which it disposes at shutdown."""
+class ServiceHolder:
+    """The app's service, which may only be built once the event loop runs."""
+
+    def __init__(self, service: ChangeStreamerService | None = None) -> None:
+        self.service = service
+
+    def get(self) -> ChangeStreamerService:
+        if self.service is None:
+            raise RuntimeError("the change streamer is not running")
+        return self.service
+
+
+def create_app(
+    db: ChangeDb,
+    service: ChangeStreamerService | None = None,
+    *,
+    service_factory: Callable[[], Awaitable[ChangeStreamerService]] | None = None,
+    startup_delay_s: float = 15.0,
+    on_service_exit: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The app over a migrated change DB (disposed at shutdown) and its service.
+
+    Pass the ``service``, or a ``service_factory`` that builds it on the server's
+    event loop at start-up (its database pools and futures belong to that loop).
+    """
+    holder = ServiceHolder(service)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        runner = None
+        if service_factory is not None:
+            holder.service = await service_factory()
+        service = holder.service
+        if service is not None:
+            runner = asyncio.create_task(
+                _run(service, startup_delay_s, on_service_exit), name="change-streamer"
+            )
         try:
             yield
         finally:
+            if service is not None:
+                await service.stop()
+            if runner is not None:
+                with contextlib.suppress(BaseException):
+                    await runner
             await db.dispose()
 
     app = FastAPI(title="changestreamer", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -35,4 +81,34 @@ def create_app(db: ChangeDb) -> FastAPI:
     async def keepalive() -> str:
         return "OK"
 
+    if service is not None or service_factory is not None:
+        app.include_router(replication_router(holder.get))
     return app
+
+
+async def _run(
+    service: ChangeStreamerService,
+    startup_delay_s: float,
+    on_exit: Callable[[], None] | None,
+) -> None:
+    started = asyncio.ensure_future(service.serving_started.wait())
+    stopped = asyncio.ensure_future(service.stopped.wait())
+    try:
+        await asyncio.wait(
+            {started, stopped}, timeout=startup_delay_s, return_when="FIRST_COMPLETED"
+        )
+    finally:
+        started.cancel()
+        stopped.cancel()
+    if service.stopped.is_set():
+        return
+    try:
+        await service.run()
+    except Exception:
+        log.exception("the change streamer stopped with an error")
+        raise
+    finally:
+        # Without its streamer the process serves nothing useful: the server
+        # stops too (the command line passes a callback that shuts uvicorn down).
+        if on_exit is not None:
+            on_exit()

@@ -221,6 +221,11 @@ class ChangeStreamerService:
         with contextlib.suppress(Exception):
             await self._source.stop()
 
+    @property
+    def stopped(self) -> asyncio.Event:
+        """Set once ``stop`` was called."""
+        return self._stopped
+
     def _on_fatal(self, error: BaseException) -> None:
         async def stop_and_flag() -> None:
             if isinstance(error, AutoResetSignal):

@@ -1,0 +1,133 @@
+"""The replication websockets of protocol v1–v6 (spec/wire.md §2.3, §2.4, §3).
+
+``GET /replication/v{N}/changes`` subscribes to the change stream;
+``GET /replication/v{N}/snapshot`` holds a snapshot reservation while a replica
+restores from backup. Request errors complete the upgrade and close with 1002
+and ``Error: <message>`` (the reference's exact texts, so its clients log and
+retry the same way); errors after streaming began are in-band ``error``
+messages, sent by the streamer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import Callable, Mapping
+
+from fastapi import APIRouter, WebSocket
+
+from app.protocol.lexi import InvalidWatermarkError, parse_state_version
+from app.server.transport import reject, stream_downstream
+from app.streamer.downstream import Downstream
+from app.streamer.reservations import BackupsNotConfiguredError, Reservation
+from app.streamer.service import ChangeStreamerService, SubscriberContext
+
+MIN_PROTOCOL_VERSION = 1
+MAX_PROTOCOL_VERSION = 6
+
+_PATH = re.compile(r"/replication/v(\d+)/(changes|snapshot)$")
+
+
+class RequestError(Exception):
+    """An invalid replication request; the message goes to the client."""
+
+
+def protocol_version(path: str) -> int:
+    """The version in ``/replication/v<N>/(changes|snapshot)``, checked against ours."""
+    match = _PATH.search(path)
+    if match is None:
+        raise RequestError(f"invalid path: {path}")
+    version = int(match.group(1))
+    if not MIN_PROTOCOL_VERSION <= version <= MAX_PROTOCOL_VERSION:
+        raise RequestError(
+            f"Cannot service client at protocol v{version}. "
+            f"Supported protocols: [v{MIN_PROTOCOL_VERSION} ... v{MAX_PROTOCOL_VERSION}]"
+        )
+    return version
+
+
+def _required(query: Mapping[str, str], name: str) -> str:
+    value = query.get(name, "")
+    if not value:
+        raise RequestError(f"invalid querystring - missing {name}")
+    return value
+
+
+def _watermark(query: Mapping[str, str], name: str) -> str:
+    value = _required(query, name)
+    try:
+        parse_state_version(value)
+    except InvalidWatermarkError as e:
+        raise RequestError(f"invalid querystring - {name}: {e}") from None
+    return value
+
+
+def subscriber_context(path: str, query: Mapping[str, str]) -> SubscriberContext:
+    """Parses a ``/changes`` request (empty parameters count as absent)."""
+    version = protocol_version(path)
+    return SubscriberContext(
+        protocol_version=version,
+        id=_required(query, "id"),
+        mode="backup" if query.get("mode") == "backup" else "serving",
+        replica_version=_watermark(query, "replicaVersion"),
+        watermark=_watermark(query, "watermark"),
+        initial=query.get("initial") == "true",
+        task_id=query.get("taskID") or None,
+    )
+
+
+def router(get_service: Callable[[], ChangeStreamerService]) -> APIRouter:
+    routes = APIRouter()
+
+    @routes.websocket("/replication/{version}/changes")
+    async def changes(websocket: WebSocket, version: str) -> None:
+        try:
+            ctx = subscriber_context(websocket.url.path, websocket.query_params)
+        except RequestError as e:
+            await reject(websocket, str(e))
+            return
+        await websocket.accept()
+        downstream = get_service().subscribe(ctx)
+        await stream_downstream(websocket, downstream, name=ctx.id)
+
+    @routes.websocket("/replication/{version}/snapshot")
+    async def snapshot(websocket: WebSocket, version: str) -> None:
+        try:
+            protocol_version(websocket.url.path)
+            task_id = websocket.query_params.get("taskID") or ""
+            if not task_id:
+                raise RequestError("Missing taskID in snapshot request")
+            try:
+                reservation = get_service().start_snapshot_reservation(task_id)
+            except BackupsNotConfiguredError:
+                raise RequestError(
+                    "replication-manager is not configured with a ZERO_LITESTREAM_BACKUP_URL"
+                ) from None
+        except RequestError as e:
+            await reject(websocket, str(e))
+            return
+        await websocket.accept()
+        downstream = Downstream()
+        relay = asyncio.create_task(_relay(reservation, downstream))
+        try:
+            await stream_downstream(websocket, downstream, name=f"snapshot-{task_id}")
+        finally:
+            reservation.cancel()  # a no-op once the task's subscription completed it
+            relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await relay
+
+    return routes
+
+
+async def _relay(reservation: Reservation, downstream: Downstream) -> None:
+    """Feeds the reservation's messages to the socket; ends the stream with it."""
+    last: asyncio.Future[bool] | None = None
+    try:
+        async for message in reservation:
+            last = downstream.push(message)
+        if last is not None:
+            await last  # consumed, or the connection closed first
+    finally:
+        downstream.close("reservation ended")

@@ -1,0 +1,80 @@
+"""A real server on loopback: uvicorn + the app + the service over a SQLite log."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from app.server.app import create_app
+from app.sources.memory import MemoryChangeSource
+from app.storage import (
+    Replication,
+    Shard,
+    SubscriptionState,
+    create_change_db,
+    migrate,
+    parse_change_db_url,
+)
+from app.streamer.service import ChangeStreamerService, StreamerOptions
+
+REPLICA_VERSION = "01"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    source: MemoryChangeSource
+    service: ChangeStreamerService
+
+
+async def start_server(tmp_path: Path, **options: object) -> AsyncIterator[Server]:
+    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
+    await migrate(db)
+    await Replication(db).ensure_config(
+        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
+    )
+    source = MemoryChangeSource()
+    service = ChangeStreamerService(
+        db=db,
+        source=source,
+        task_id="server-test",
+        address=None,
+        replica_version=REPLICA_VERSION,
+        durable_watermark=REPLICA_VERSION,
+        options=StreamerOptions(backoff_initial_s=0.01, backoff_max_s=0.05, **options),  # type: ignore[arg-type]
+    )
+    port = free_port()
+    app = create_app(db, service, startup_delay_s=3600)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", ws_per_message_deflate=False
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    for _ in range(2000):  # up to 20 s
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield Server(f"ws://127.0.0.1:{port}", source, service)
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 20)
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Server]:
+    async for s in start_server(tmp_path):
+        yield s

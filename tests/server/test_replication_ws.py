@@ -1,0 +1,217 @@
+"""The replication websockets over real loopback sockets, checked frame by frame."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from app.protocol.canonical_json import loads
+
+from .conftest import REPLICA_VERSION, Server, start_server
+
+QUERY = f"id=serving-replicator-1&replicaVersion={REPLICA_VERSION}&watermark={REPLICA_VERSION}"
+
+
+def txn(w: str, n: int = 1) -> list[list[Any]]:
+    rows = [
+        [
+            "data",
+            {
+                "tag": "insert",
+                "relation": {"schema": "public", "name": "t", "rowKey": {"columns": ["id"]}},
+                "new": {"id": i},
+            },
+        ]
+        for i in range(n)
+    ]
+    return [
+        ["begin", {"tag": "begin"}, {"commitWatermark": w}],
+        *rows,
+        ["commit", {"tag": "commit"}, {"watermark": w}],
+    ]
+
+
+async def closed_with(url: str) -> tuple[int | None, str]:
+    async with connect(url) as ws:
+        with pytest.raises(ConnectionClosed) as e:
+            await asyncio.wait_for(ws.recv(), 10)
+    assert e.value.rcvd is not None
+    return e.value.rcvd.code, e.value.rcvd.reason
+
+
+@pytest.mark.parametrize(
+    ("path", "reason"),
+    [
+        (
+            f"/replication/v7/changes?{QUERY}",
+            "Error: Cannot service client at protocol v7. Supported protocols: [v1 ... v6]",
+        ),
+        (
+            f"/replication/v0/changes?{QUERY}",
+            "Error: Cannot service client at protocol v0. Supported protocols: [v1 ... v6]",
+        ),
+        (f"/replication/6/changes?{QUERY}", "Error: invalid path: /replication/6/changes"),
+        (
+            "/replication/v6/changes?replicaVersion=01&watermark=01",
+            "Error: invalid querystring - missing id",
+        ),
+        (
+            "/replication/v6/changes?id=&replicaVersion=01&watermark=01",
+            "Error: invalid querystring - missing id",
+        ),
+        (
+            "/replication/v6/changes?id=x&watermark=01",
+            "Error: invalid querystring - missing replicaVersion",
+        ),
+        (
+            "/replication/v6/changes?id=x&replicaVersion=01",
+            "Error: invalid querystring - missing watermark",
+        ),
+        ("/replication/v6/snapshot", "Error: Missing taskID in snapshot request"),
+        (
+            "/replication/v6/snapshot?taskID=t1",
+            "Error: replication-manager is not configured with a ZERO_LITESTREAM_BACKUP_URL",
+        ),
+    ],
+)
+async def test_bad_requests_are_upgraded_then_closed_with_1002_and_the_reason(
+    server: Server, path: str, reason: str
+) -> None:
+    assert await closed_with(server.url + path) == (1002, reason)
+
+
+async def test_a_malformed_watermark_is_rejected_with_a_clear_reason(server: Server) -> None:
+    code, reason = await closed_with(
+        server.url + "/replication/v6/changes?id=x&replicaVersion=01&watermark=zz"
+    )
+    assert code == 1002
+    assert reason.startswith("Error: invalid querystring - watermark: ")
+    assert len(reason.encode()) <= 123
+
+
+async def recv(ws: ClientConnection) -> dict[str, Any]:
+    frame = await asyncio.wait_for(ws.recv(), 10)
+    assert isinstance(frame, str)
+    value = loads(frame)
+    assert isinstance(value, dict)
+    return value
+
+
+async def test_a_fresh_replica_gets_status_then_transactions_with_ids_in_order(
+    server: Server,
+) -> None:
+    async with connect(f"{server.url}/replication/v6/changes?{QUERY}") as ws:
+        first = await recv(ws)
+        assert first == {"id": 1, "msg": ["status", {"tag": "status"}]}
+        await ws.send('{"ack":1}')
+        stream = await asyncio.wait_for(
+            server.source.wait_for_stream(), 10
+        )  # serving: started at once
+        stream.push_all(txn("02", 2))
+        frames = [await recv(ws) for _ in range(4)]
+        assert [f["id"] for f in frames] == [2, 3, 4, 5]
+        assert [f["msg"][0] for f in frames] == ["begin", "data", "data", "commit"]
+        assert frames[-1]["msg"] == ["commit", {"tag": "commit"}, {"watermark": "02"}]
+        for f in frames:
+            await ws.send(f'{{"ack":{f["id"]}}}')
+        await asyncio.wait_for(server.service.storer.wait_durable("02"), 10)
+        for _ in range(100):
+            if server.service.forwarder.acks() == ["02"]:
+                break
+            await asyncio.sleep(0.02)
+        assert server.service.forwarder.acks() == ["02"]
+
+
+async def test_wrong_replica_version_is_message_1_then_the_socket_closes(server: Server) -> None:
+    url = f"{server.url}/replication/v6/changes?id=x&replicaVersion=0z&watermark=0z"
+    async with connect(url) as ws:
+        first = await recv(ws)
+        assert first == {
+            "id": 1,
+            "msg": [
+                "error",
+                {"type": 1, "message": "current replica version is 01 (requested 0z)"},
+            ],
+        }
+        await ws.send('{"ack":1}')
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 10)
+
+
+@pytest.mark.parametrize(
+    ("frame", "reason_part"),
+    [
+        ('{"ack":2}', "unexpected ack 2: expected ack 1"),
+        ('{"ack":1,"x":1}', "unexpected keys"),
+        (b'{"ack":1}', "binary frames"),
+        ("not json", "not valid JSON"),
+        ('{"ack":true}', "boolean"),
+    ],
+)
+async def test_a_bad_ack_closes_that_stream_and_nobody_elses(
+    server: Server, frame: str | bytes, reason_part: str
+) -> None:
+    async with (
+        connect(f"{server.url}/replication/v6/changes?{QUERY}") as good,
+        connect(f"{server.url}/replication/v6/changes?{QUERY.replace('-1', '-2')}") as bad,
+    ):
+        assert (await recv(good))["id"] == 1
+        assert (await recv(bad))["id"] == 1
+        await bad.send(frame)
+        with pytest.raises(ConnectionClosed) as e:
+            await asyncio.wait_for(bad.recv(), 10)
+        assert e.value.rcvd is not None
+        assert e.value.rcvd.code == 1002
+        assert reason_part in e.value.rcvd.reason
+        await good.send('{"ack":1}')
+        stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+        stream.push_all(txn("02"))
+        frames = [await recv(good) for _ in range(3)]
+        assert frames[-1]["msg"][0] == "commit"
+
+
+async def test_a_backup_subscription_does_not_end_the_startup_delay(server: Server) -> None:
+    url = f"{server.url}/replication/v6/changes?{QUERY}&mode=backup"
+    async with connect(url) as ws:
+        assert (await recv(ws))["msg"][0] == "status"
+        await asyncio.sleep(0.2)
+        assert server.source.start_calls == []
+    async with connect(f"{server.url}/replication/v6/changes?{QUERY}") as ws:
+        await recv(ws)
+        await asyncio.wait_for(server.source.wait_for_stream(), 10)
+
+
+async def test_a_snapshot_reservation_streams_its_status_and_ends_on_subscribe(
+    tmp_path: Path,
+) -> None:
+    async for server in start_server(tmp_path, backup_url="file:///backups/r"):
+        async with connect(f"{server.url}/replication/v6/snapshot?taskID=t1") as snap:
+            stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+            stream.push_all(txn("02"))
+            await asyncio.wait_for(server.service.storer.wait_durable("02"), 10)
+            server.service.track_backup_watermark("02")
+            first = await recv(snap)
+            assert first == {
+                "id": 1,
+                "msg": [
+                    "status",
+                    {
+                        "tag": "status",
+                        "backupURL": "file:///backups/r",
+                        "replicaVersion": "01",
+                        "minWatermark": "02",
+                    },
+                ],
+            }
+            await snap.send('{"ack":1}')
+            query = "id=x&replicaVersion=01&watermark=02&taskID=t1&initial=true"
+            url = f"{server.url}/replication/v6/changes?{query}"
+            async with connect(url) as sub:
+                assert (await recv(sub))["msg"][0] == "status"
+                with pytest.raises(ConnectionClosed):
+                    await asyncio.wait_for(snap.recv(), 10)
