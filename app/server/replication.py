@@ -1,8 +1,9 @@
-"""The replication websockets of protocol v1–v6 (spec/wire.md §2.3, §2.4, §3).
+"""The replication websockets, protocol v1–v7 (spec/wire.md §2.3, §2.4, §3, §5).
 
 ``GET /replication/v{N}/changes`` subscribes to the change stream;
 ``GET /replication/v{N}/snapshot`` holds a snapshot reservation while a replica
-restores from backup. Request errors complete the upgrade and close with 1002
+restores from backup; ``GET /replication/v7/subscribe`` does both on one socket
+(``app.server.subscribe_v7``). Request errors complete the upgrade and close with 1002
 and ``Error: <message>`` (the reference's exact texts, so its clients log and
 retry the same way); errors after streaming began are in-band ``error``
 messages, sent by the streamer.
@@ -18,15 +19,16 @@ from collections.abc import Callable, Mapping
 from fastapi import APIRouter, WebSocket
 
 from app.protocol.lexi import InvalidWatermarkError, parse_state_version
+from app.server.subscribe_v7 import Session
 from app.server.transport import reject, stream_downstream
 from app.streamer.downstream import Downstream
 from app.streamer.reservations import BackupsNotConfiguredError, Reservation
 from app.streamer.service import ChangeStreamerService, SubscriberContext
 
 MIN_PROTOCOL_VERSION = 1
-MAX_PROTOCOL_VERSION = 6
+MAX_PROTOCOL_VERSION = 7
 
-_PATH = re.compile(r"/replication/v(\d+)/(changes|snapshot)$")
+_PATH = re.compile(r"/replication/v(\d+)/(changes|snapshot|subscribe)$")
 
 
 class RequestError(Exception):
@@ -89,7 +91,23 @@ def router(get_service: Callable[[], ChangeStreamerService]) -> APIRouter:
             return
         await websocket.accept()
         downstream = get_service().subscribe(ctx)
-        await stream_downstream(websocket, downstream, name=ctx.id)
+        # Batch frames only for clients that can read them (v7 and asked for).
+        batched = ctx.protocol_version >= 7 and websocket.query_params.get("wsBatched") == "true"
+        await stream_downstream(websocket, downstream, name=ctx.id, batched=batched)
+
+    @routes.websocket("/replication/{version}/subscribe")
+    async def subscribe(websocket: WebSocket, version: str) -> None:
+        try:
+            protocol = protocol_version(websocket.url.path)
+            if protocol < 7:
+                raise RequestError(
+                    f"the /subscribe endpoint requires protocol v7 (client is at v{protocol})"
+                )
+        except RequestError as e:
+            await reject(websocket, str(e))
+            return
+        await websocket.accept()
+        await Session(websocket, get_service).run()
 
     @routes.websocket("/replication/{version}/snapshot")
     async def snapshot(websocket: WebSocket, version: str) -> None:

@@ -1,13 +1,16 @@
-"""Streams a subscriber's channel over a websocket (spec/wire.md §1).
+"""Streams a subscriber's channel over a websocket (spec/wire.md §1, §5.3).
 
-Outbound, every message becomes a text frame ``{"id":N,"msg":<json>}`` with ids
-1, 2, 3… per connection, sent as soon as it is ready (pipelined: acks are not
-awaited before sending more). Inbound, the client may only send acks, strictly
-``{"ack":N}`` and in order: the k-th ack must name message k. An ack consumes
-that message (``Downstream.ack_next``), which is what advances the subscriber's
-acked watermark and releases flow control. Anything else — a binary frame,
-extra keys, an ack out of order or for an unsent id — ends this stream with a
-protocol-error close; no other connection is affected.
+Outbound, messages become text frames ``{"id":N,"msg":<json>}`` with ids 1, 2,
+3… per connection, sent as soon as they are ready (pipelined: acks are not
+awaited before sending more). With batching (v7 clients only: ``/subscribe``,
+or ``/changes?wsBatched=true``) the messages already queued go out together as
+``{"id":N,"batch":[…]}``, at most 64 per frame; a sender never waits to fill a
+frame. Inbound, acks are strict ``{"ack":N}`` and in order: the k-th ack names
+frame k. An ack consumes every message of its frame (``Downstream.ack_next``),
+which advances the subscriber's acked watermark and releases flow control.
+Anything else — a binary frame, extra keys, an ack out of order or for an
+unsent frame — ends this stream with a protocol-error close; no other
+connection is affected.
 
 ``await websocket.send_text`` is the back pressure: uvicorn's websocket protocols
 wait while the transport's write buffer is full, so one sender task per
@@ -19,10 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
+from collections.abc import Callable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from app.protocol.envelope import AckError, msg_tail, parse_ack
+from app.protocol.envelope import AckError, batch_tail, msg_tail, parse_ack
 from app.streamer.downstream import Downstream, DownstreamClosed
 
 log = logging.getLogger(__name__)
@@ -30,6 +35,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_ERROR = 1002
 NORMAL_CLOSURE = 1000
 MAX_REASON_BYTES = 123
+MAX_BATCH = 64
 
 
 def close_reason(message: str) -> str:
@@ -54,13 +60,96 @@ class ProtocolViolation(Exception):
     """The client broke the framing rules; its stream is closed."""
 
 
-async def stream_downstream(websocket: WebSocket, downstream: Downstream, *, name: str) -> None:
+class Outbound:
+    """The server's side of one socket: frame ids, sending, and matching acks.
+
+    Frames come from a ``Downstream`` (whose messages an ack consumes) or are
+    control frames with nothing to consume (v7 ``reserved``). Sends are
+    serialized by a lock so that ids go out in order.
+    """
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self._websocket = websocket
+        self._next_id = 1
+        self._unacked: deque[tuple[int, Downstream | None, int]] = deque()
+        self._lock = asyncio.Lock()
+
+    async def send(self, tail: str, downstream: Downstream | None, count: int) -> None:
+        async with self._lock:
+            frame_id = self._next_id
+            self._next_id += 1
+            self._unacked.append((frame_id, downstream, count))
+            await self._websocket.send_text('{"id":' + str(frame_id) + tail)
+
+    async def send_raw(self, text: str) -> None:
+        """A frame outside the id sequence (an ack of a client frame)."""
+        async with self._lock:
+            await self._websocket.send_text(text)
+
+    async def send_message(self, message_json: str) -> None:
+        """A control frame (nothing to consume when it is acked)."""
+        await self.send(msg_tail(message_json), None, 0)
+
+    def acked(self, data: str | bytes) -> None:
+        """Matches a client ack frame; raises ``ProtocolViolation`` if it is wrong."""
+        try:
+            ack = parse_ack(data)
+        except AckError as e:
+            raise ProtocolViolation(f"error parsing ack: {e}") from None
+        self.ack(ack)
+
+    def ack(self, ack: int) -> None:
+        if not self._unacked:
+            raise ProtocolViolation(f"ack {ack} for a frame that was not sent")
+        frame_id, downstream, count = self._unacked[0]
+        if ack != frame_id:
+            raise ProtocolViolation(f"unexpected ack {ack}: expected ack {frame_id}")
+        self._unacked.popleft()
+        if downstream is not None and not downstream.closed:
+            for _ in range(count):
+                downstream.ack_next()
+
+    async def pump(self, downstream: Downstream, *, batched: bool) -> None:
+        """Sends ``downstream`` until it closes."""
+        while True:
+            try:
+                first = await downstream.get()
+            except DownstreamClosed:
+                return
+            if not batched:
+                await self.send(msg_tail(first), downstream, 1)
+                continue
+            messages = [first]
+            while len(messages) < MAX_BATCH:
+                more = downstream.get_nowait()
+                if more is None:
+                    break
+                messages.append(more)
+            tail = msg_tail(first) if len(messages) == 1 else batch_tail(messages)
+            await self.send(tail, downstream, len(messages))
+
+
+async def stream_downstream(
+    websocket: WebSocket, downstream: Downstream, *, name: str, batched: bool = False
+) -> None:
     """Sends ``downstream`` and matches acks until either side ends the stream."""
-    sender = asyncio.create_task(_send(websocket, downstream), name=f"send-{name}")
-    receiver = asyncio.create_task(_receive(websocket, downstream), name=f"recv-{name}")
+    outbound = Outbound(websocket)
+    sender = asyncio.create_task(outbound.pump(downstream, batched=batched), name=f"send-{name}")
+    receiver = asyncio.create_task(_receive_acks(websocket, outbound), name=f"recv-{name}")
+    await run_until_done(websocket, {sender, receiver}, on_end=downstream.close, name=name)
+
+
+async def run_until_done(
+    websocket: WebSocket,
+    tasks: set[asyncio.Task[None]],
+    *,
+    on_end: Callable[[str], None],
+    name: str,
+) -> None:
+    """Runs a connection's tasks until one ends; then stops the rest and closes."""
     violation: ProtocolViolation | None = None
     try:
-        done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             error = task.exception()
             if isinstance(error, ProtocolViolation):
@@ -70,48 +159,35 @@ async def stream_downstream(websocket: WebSocket, downstream: Downstream, *, nam
             ):
                 log.warning("stream %s ended with an error: %r", name, error)
     finally:
-        downstream.close("connection ended")
-        for task in (sender, receiver):
+        on_end("connection ended")
+        for task in tasks:
             task.cancel()
-        for task in (sender, receiver):
+        for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
-        await _close(websocket, violation)
+        await close(websocket, violation)
 
 
-async def _send(websocket: WebSocket, downstream: Downstream) -> None:
-    next_id = 1
+async def _receive_acks(websocket: WebSocket, outbound: Outbound) -> None:
     while True:
-        try:
-            message = await downstream.get()
-        except DownstreamClosed:
-            return
-        await websocket.send_text('{"id":' + str(next_id) + msg_tail(message))
-        next_id += 1
-
-
-async def _receive(websocket: WebSocket, downstream: Downstream) -> None:
-    expected = 1
-    while True:
-        event = await websocket.receive()
-        if event["type"] == "websocket.disconnect":
-            return
-        data = event.get("text")
+        data = await receive_frame(websocket)
         if data is None:
-            data = event.get("bytes") or b""
-        try:
-            ack = parse_ack(data)
-        except AckError as e:
-            raise ProtocolViolation(f"error parsing ack: {e}") from None
-        if ack != expected:
-            raise ProtocolViolation(f"unexpected ack {ack}: expected ack {expected}")
-        if downstream.sent_unacked == 0:
-            raise ProtocolViolation(f"ack {ack} for a message that was not sent")
-        downstream.ack_next()
-        expected += 1
+            return
+        outbound.acked(data)
 
 
-async def _close(websocket: WebSocket, violation: ProtocolViolation | None) -> None:
+async def receive_frame(websocket: WebSocket) -> str | bytes | None:
+    """The next frame's payload, or None once the client disconnected."""
+    event = await websocket.receive()
+    if event["type"] == "websocket.disconnect":
+        return None
+    text = event.get("text")
+    if text is not None:
+        return str(text)
+    return bytes(event.get("bytes") or b"")
+
+
+async def close(websocket: WebSocket, violation: ProtocolViolation | None) -> None:
     if websocket.client_state != WebSocketState.CONNECTED:
         return
     with contextlib.suppress(Exception):

@@ -48,12 +48,16 @@ async def closed_with(url: str) -> tuple[int | None, str]:
     ("path", "reason"),
     [
         (
-            f"/replication/v7/changes?{QUERY}",
-            "Error: Cannot service client at protocol v7. Supported protocols: [v1 ... v6]",
+            f"/replication/v8/changes?{QUERY}",
+            "Error: Cannot service client at protocol v8. Supported protocols: [v1 ... v7]",
         ),
         (
             f"/replication/v0/changes?{QUERY}",
-            "Error: Cannot service client at protocol v0. Supported protocols: [v1 ... v6]",
+            "Error: Cannot service client at protocol v0. Supported protocols: [v1 ... v7]",
+        ),
+        (
+            "/replication/v6/subscribe",
+            "Error: the /subscribe endpoint requires protocol v7 (client is at v6)",
         ),
         (f"/replication/6/changes?{QUERY}", "Error: invalid path: /replication/6/changes"),
         (

@@ -1,0 +1,187 @@
+"""The merged v7 protocol: ``GET /replication/v7/subscribe`` (spec/wire.md §5).
+
+One socket carries a snapshot reservation, the wait while the client restores
+its replica from backup, and then the subscription — so the node that reserved
+the change log is the one that serves it:
+
+    idle ──reserve-snapshot──► reserved (one ``reserved`` message) ──start-subscription──► v6 stream
+      └──────────────────────────start-subscription (a replica that is still valid)──────────┘
+
+Both directions use ``{"id":N,"msg":…}`` frames with their own id counters, and
+both ack what they receive. The server acks a client frame once it has acted on
+it; it sends the change stream in batch frames (``{"id":N,"batch":[…]}``).
+
+Rules (the spec leaves them to the server; these are ours): a second
+``reserve-snapshot`` replaces the first; ``reserve-snapshot`` after
+``start-subscription``, a second ``start-subscription``, an unknown message, or
+a malformed frame is a protocol error (close 1002 with the reason); a socket
+that closes before ``start-subscription`` cancels its reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import WebSocket
+
+from app.protocol.canonical_json import dumps, loads
+from app.protocol.envelope import (
+    AckError,
+    EnvelopeError,
+    ack_frame,
+    ack_from_value,
+    envelope_from_value,
+)
+from app.protocol.lexi import InvalidWatermarkError, parse_state_version
+from app.server.transport import Outbound, ProtocolViolation, receive_frame, run_until_done
+from app.streamer.downstream import Downstream
+from app.streamer.reservations import BackupsNotConfiguredError, Reservation
+from app.streamer.service import ChangeStreamerService, SubscriberContext
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 7
+
+
+class Session:
+    """One ``/subscribe`` socket."""
+
+    def __init__(
+        self, websocket: WebSocket, get_service: Callable[[], ChangeStreamerService]
+    ) -> None:
+        self._websocket = websocket
+        self._get_service = get_service
+        self._outbound = Outbound(websocket)
+        self._expected_client_id = 1
+        self._reservation: Reservation | None = None
+        self._relay: asyncio.Task[None] | None = None
+        self._downstream: Downstream | None = None
+        self._sender: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+
+    async def run(self) -> None:
+        receiver = asyncio.create_task(self._receive(), name="v7-receive")
+        subscription = asyncio.create_task(self._send_subscription(), name="v7-send")
+        try:
+            await run_until_done(
+                self._websocket, {receiver, subscription}, on_end=self._end, name="v7"
+            )
+        finally:
+            for task in (self._relay, self._sender):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+
+    def _end(self, reason: str) -> None:
+        if self._reservation is not None:
+            self._reservation.cancel()  # a no-op once the subscription completed it
+        if self._downstream is not None:
+            self._downstream.close(reason)
+
+    async def _send_subscription(self) -> None:
+        await self._subscribed.wait()
+        assert self._downstream is not None
+        await self._outbound.pump(self._downstream, batched=True)
+
+    async def _receive(self) -> None:
+        while True:
+            data = await receive_frame(self._websocket)
+            if data is None:
+                return
+            if not isinstance(data, str):
+                raise ProtocolViolation("binary frames are not accepted")
+            try:
+                value = loads(data)
+            except ValueError as e:
+                raise ProtocolViolation(f"frame is not valid JSON: {e}") from None
+            if isinstance(value, dict) and "ack" in value and "id" not in value:
+                try:
+                    self._outbound.ack(ack_from_value(value))
+                except AckError as e:
+                    raise ProtocolViolation(f"error parsing ack: {e}") from None
+                continue
+            await self._on_client_frame(value)
+
+    async def _on_client_frame(self, value: Any) -> None:
+        try:
+            envelope = envelope_from_value(value)
+        except EnvelopeError as e:
+            raise ProtocolViolation(str(e)) from None
+        if envelope.id != self._expected_client_id:
+            raise ProtocolViolation(
+                f"unexpected frame id {envelope.id}: expected {self._expected_client_id}"
+            )
+        self._expected_client_id += 1
+        for message in envelope.messages:
+            await self._on_message(message)
+        await self._outbound.send_raw(ack_frame(envelope.id))
+
+    async def _on_message(self, message: Any) -> None:
+        if not isinstance(message, list) or len(message) != 2 or not isinstance(message[1], dict):
+            raise ProtocolViolation("a message must be [type, {…}]")
+        kind, body = message
+        if kind == "reserve-snapshot":
+            self._reserve(body)
+        elif kind == "start-subscription":
+            self._start_subscription(body)
+        else:
+            raise ProtocolViolation(f"unknown message type {kind!r}")
+
+    def _reserve(self, body: dict[str, Any]) -> None:
+        if self._downstream is not None:
+            raise ProtocolViolation("reserve-snapshot after start-subscription")
+        task_id = _string(body, "taskID", "reserve-snapshot")
+        try:
+            reservation = self._get_service().start_snapshot_reservation(task_id)
+        except BackupsNotConfiguredError:
+            raise ProtocolViolation(
+                "replication-manager is not configured with a ZERO_LITESTREAM_BACKUP_URL"
+            ) from None
+        if self._relay is not None:
+            self._relay.cancel()
+        self._reservation = reservation  # the service cancels the one it replaces
+        self._relay = asyncio.create_task(self._send_reserved(reservation))
+
+    async def _send_reserved(self, reservation: Reservation) -> None:
+        async for message in reservation:
+            status = loads(message)[1]
+            reserved = {**status, "tag": "snapshot"}
+            await self._outbound.send_message(dumps(["reserved", reserved]))
+
+    def _start_subscription(self, body: dict[str, Any]) -> None:
+        if self._downstream is not None:
+            raise ProtocolViolation("start-subscription was already received")
+        where = "start-subscription"
+        ctx = SubscriberContext(
+            protocol_version=PROTOCOL_VERSION,
+            id=_string(body, "id", where),
+            mode="backup" if body.get("mode") == "backup" else "serving",
+            replica_version=_watermark(body, "replicaVersion", where),
+            watermark=_watermark(body, "watermark", where),
+            task_id=_string(body, "taskID", where),
+        )
+        # Registering the subscriber closes this task's reservation: the
+        # subscriber's own position protects the log from then on, so no gap.
+        self._downstream = self._get_service().subscribe(ctx)
+        self._subscribed.set()
+
+
+def _string(body: dict[str, Any], key: str, where: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not value:
+        raise ProtocolViolation(f"{where}: missing {key}")
+    return value
+
+
+def _watermark(body: dict[str, Any], key: str, where: str) -> str:
+    value = _string(body, key, where)
+    try:
+        parse_state_version(value)
+    except InvalidWatermarkError as e:
+        raise ProtocolViolation(f"{where}: {key}: {e}") from None
+    return value

@@ -1,0 +1,200 @@
+"""The merged v7 /subscribe protocol over real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from app.protocol.canonical_json import dumps, loads
+
+from .conftest import Server, start_server
+from .test_replication_ws import txn
+
+BACKUP_URL = "file:///backups/replica"
+
+
+@pytest.fixture
+async def backed_up(tmp_path: Path) -> Any:
+    async for server in start_server(tmp_path, backup_url=BACKUP_URL):
+        yield server
+
+
+class Client:
+    """A v7 client: its own frame ids, acks for what it receives."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.next_id = 1
+        self.acks: list[int] = []
+
+    async def send(self, *messages: list[Any]) -> int:
+        frame_id = self.next_id
+        self.next_id += 1
+        if len(messages) == 1:
+            await self.ws.send(dumps({"id": frame_id, "msg": messages[0]}))
+        else:
+            await self.ws.send(dumps({"id": frame_id, "batch": list(messages)}))
+        return frame_id
+
+    async def frame(self) -> dict[str, Any]:
+        """The next server frame that is not an ack of ours (acks are recorded)."""
+        while True:
+            raw = await asyncio.wait_for(self.ws.recv(), 10)
+            value = loads(raw)
+            if set(value) == {"ack"}:
+                self.acks.append(value["ack"])
+                continue
+            return value  # type: ignore[no-any-return]
+
+    async def messages(self, count: int) -> list[Any]:
+        """``count`` stream messages, acking each frame after reading it."""
+        out: list[Any] = []
+        while len(out) < count:
+            f = await self.frame()
+            out.extend(f["batch"] if "batch" in f else [f["msg"]])
+            await self.ws.send(dumps({"ack": f["id"]}))
+        return out
+
+
+def start(watermark: str, task: str = "t1", **extra: Any) -> list[Any]:
+    body = {
+        "taskID": task,
+        "id": "serving-1",
+        "mode": "serving",
+        "replicaVersion": "01",
+        "watermark": watermark,
+        **extra,
+    }
+    return ["start-subscription", body]
+
+
+async def test_reserve_restore_then_subscribe_on_one_socket(backed_up: Server) -> None:
+    server = backed_up
+    async with connect(f"{server.url}/replication/v7/subscribe?taskID=t1") as ws:
+        client = Client(ws)
+        await client.send(["reserve-snapshot", {"taskID": "t1"}])
+        stream = await asyncio.wait_for(
+            server.source.wait_for_stream(), 10
+        )  # a reservation starts it
+        stream.push_all(txn("02"))
+        await asyncio.wait_for(server.service.storer.wait_durable("02"), 10)
+        server.service.track_backup_watermark("02")
+        reserved = await client.frame()
+        assert reserved["msg"] == [
+            "reserved",
+            {
+                "tag": "snapshot",
+                "backupURL": BACKUP_URL,
+                "replicaVersion": "01",
+                "minWatermark": "02",
+            },
+        ]
+        assert client.acks == [1]  # the server acked our reserve-snapshot
+        await ws.send(dumps({"ack": reserved["id"]}))
+        # ... the client restores the backup at 02, then subscribes on the same socket.
+        await client.send(start("02", extra_field_for_the_future=True))
+        stream.push_all(txn("03", 2))
+        msgs = await client.messages(5)
+        assert [m[0] for m in msgs] == ["status", "begin", "data", "data", "commit"]
+        assert msgs[-1][2] == {"watermark": "03"}
+        assert client.acks == [1, 2]
+        for _ in range(100):
+            if server.service.reservations.reserved_watermarks() == []:
+                break
+            await asyncio.sleep(0.02)
+        assert server.service.reservations.reserved_watermarks() == []
+
+
+async def test_a_valid_replica_subscribes_directly_and_gets_batch_frames(backed_up: Server) -> None:
+    server = backed_up
+    async with connect(f"{server.url}/replication/v7/subscribe") as ws:
+        client = Client(ws)
+        await client.send(start("01"))
+        first = await client.frame()
+        assert first["msg"] == ["status", {"tag": "status"}]
+        await ws.send(dumps({"ack": first["id"]}))
+        stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+        stream.push_all(txn("02", 100) + txn("03", 100))
+        frames = []
+        received = 0
+        while received < 204:
+            f = await client.frame()
+            frames.append(f)
+            received += len(f["batch"]) if "batch" in f else 1
+            await ws.send(dumps({"ack": f["id"]}))
+        assert any("batch" in f for f in frames)
+        assert all(len(f.get("batch", [0])) <= 64 for f in frames)
+        assert [f["id"] for f in frames] == list(range(2, 2 + len(frames)))
+
+
+async def test_disconnecting_before_subscribing_cancels_the_reservation(backed_up: Server) -> None:
+    server = backed_up
+    async with connect(f"{server.url}/replication/v7/subscribe") as ws:
+        client = Client(ws)
+        await client.send(["reserve-snapshot", {"taskID": "t9"}])
+        await asyncio.wait_for(server.source.wait_for_stream(), 10)
+        for _ in range(100):
+            if client.acks or "t9" in server.service.reservations._by_task:
+                break
+            await asyncio.sleep(0.01)
+        assert "t9" in server.service.reservations._by_task
+    for _ in range(200):
+        if "t9" not in server.service.reservations._by_task:
+            break
+        await asyncio.sleep(0.01)
+    assert "t9" not in server.service.reservations._by_task
+
+
+@pytest.mark.parametrize(
+    ("messages", "reason"),
+    [
+        ([["start-subscription", {"taskID": "t"}]], "start-subscription: missing id"),
+        (
+            [start("01"), ["reserve-snapshot", {"taskID": "t1"}]],
+            "reserve-snapshot after start-subscription",
+        ),
+        ([start("01"), start("01")], "start-subscription was already received"),
+        ([["hello", {}]], "unknown message type 'hello'"),
+        ([start("zz")], "start-subscription: watermark"),
+    ],
+)
+async def test_out_of_order_or_malformed_control_messages_close_with_1002(
+    backed_up: Server, messages: list[list[Any]], reason: str
+) -> None:
+    async with connect(f"{backed_up.url}/replication/v7/subscribe") as ws:
+        client = Client(ws)
+        for m in messages:
+            await client.send(m)
+        with pytest.raises(ConnectionClosed) as e:
+            while True:
+                await client.frame()
+                await ws.send(dumps({"ack": client.next_id}))  # harmless if ignored
+    assert e.value.rcvd is not None
+    assert e.value.rcvd.code == 1002
+    assert reason in e.value.rcvd.reason
+
+
+async def test_reserving_without_backups_is_a_protocol_error(server: Server) -> None:
+    async with connect(f"{server.url}/replication/v7/subscribe") as ws:
+        await Client(ws).send(["reserve-snapshot", {"taskID": "t1"}])
+        with pytest.raises(ConnectionClosed) as e:
+            await asyncio.wait_for(ws.recv(), 10)
+    assert e.value.rcvd is not None
+    assert e.value.rcvd.code == 1002
+    assert "not configured with a ZERO_LITESTREAM_BACKUP_URL" in e.value.rcvd.reason
+
+
+async def test_v7_changes_with_ws_batched_sends_batch_frames(server: Server) -> None:
+    url = f"{server.url}/replication/v7/changes?id=x&replicaVersion=01&watermark=01&wsBatched=true"
+    async with connect(url) as ws:
+        client = Client(ws)
+        await client.messages(1)
+        stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+        stream.push_all(txn("02", 50))
+        msgs = await client.messages(52)
+        assert msgs[-1][0] == "commit"
