@@ -14,7 +14,9 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from app.client import add_status_arguments, add_tail_arguments, run_status, run_tail
 from app.config import Settings, SettingsError, load_settings
+from app.server.admin import AdminAuth, check_startup
 from app.sources.demo import DemoChangeSource
 from app.storage import (
     ChangeDb,
@@ -44,13 +46,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="listen port (default ZERO_CHANGE_STREAMER_PORT)")
     serve.add_argument("--host", help="listen address (default ZERO_CHANGE_STREAMER_HOST)")
     commands.add_parser("migrate", help="bring the change DB to this version's schema and exit")
+    tail_cmd = commands.add_parser(
+        "tail", help="print a change-streamer's transactions as they stream"
+    )
+    add_tail_arguments(tail_cmd)
+    status_cmd = commands.add_parser("status", help="print a change-streamer's /statz")
+    add_status_arguments(status_cmd)
     args = parser.parse_args(argv)
+    # Client commands need no settings or change DB (they may run on another host).
+    if args.command == "tail":
+        return run_tail(args)
+    if args.command == "status":
+        return run_status(args)
 
     try:
         settings = load_settings()
     except SettingsError as e:
         print(f"changestreamer: {e}", file=sys.stderr)
         return 2
+    if args.command == "serve":
+        refusal = check_startup(settings.admin_password, settings.development)
+        if refusal is not None:
+            print(f"changestreamer: {refusal}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -111,6 +129,9 @@ def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | No
         service_factory=build_service,
         startup_delay_s=settings.startup_delay_ms / 1000,
         on_service_exit=shut_down,
+        auth=AdminAuth(settings.admin_password, settings.operator_password, settings.development),
+        keepalive_timeout_s=(settings.keepalive_timeout_ms or 0) / 1000 or None,
+        on_keepalive_expired=shut_down,
     )
     config = uvicorn.Config(
         app,

@@ -66,6 +66,14 @@ class Settings(BaseSettings):
             "ZERO_CHANGE_STREAMER_FLOW_CONTROL_SLOW_SUBSCRIBER_GRACE_PERIOD_SECONDS"
         ),
     )
+    admin_password: str | None = Field(None, validation_alias=AliasChoices("ZERO_ADMIN_PASSWORD"))
+    operator_password: str | None = Field(
+        None, validation_alias=AliasChoices("ZERO_OPERATOR_PASSWORD")
+    )
+    node_env: str | None = Field(None, validation_alias=AliasChoices("NODE_ENV"))
+    keepalive_timeout_ms: int | None = Field(
+        None, ge=0, validation_alias=AliasChoices("ZERO_KEEPALIVE_TIMEOUT_MS")
+    )
     demo_rate_per_s: float = Field(
         10.0, gt=0, validation_alias=AliasChoices("CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND")
     )
@@ -99,6 +107,11 @@ class Settings(BaseSettings):
     def listen_port(self) -> int:
         """The change-streamer's port: ``ZERO_CHANGE_STREAMER_PORT``, else ``ZERO_PORT + 1``."""
         return self.change_streamer_port or self.port + 1
+
+    @property
+    def development(self) -> bool:
+        """``NODE_ENV=development``, as in Zero: relaxes the admin password rule."""
+        return self.node_env == "development"
 
     @property
     def demo_state_file(self) -> Path:

@@ -97,7 +97,7 @@ def test_bad_settings_stop_the_command_with_exit_code_2(tmp_path: Path) -> None:
 
 def test_an_unusable_change_db_stops_the_command_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "junk.db").write_bytes(b"\x00garbage" * 1000)
-    result = run_cli(["serve"], tmp_path, ZERO_CHANGE_DB="junk.db")
+    result = run_cli(["serve"], tmp_path, ZERO_CHANGE_DB="junk.db", NODE_ENV="development")
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
@@ -108,6 +108,7 @@ def test_serve_answers_health_probes(tmp_path: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_")}
     env["PYTHONPATH"] = str(REPO)
+    env["NODE_ENV"] = "development"
     proc = subprocess.Popen(
         [*CLI, "serve", "--port", str(port)],
         cwd=tmp_path,
@@ -132,3 +133,15 @@ def test_serve_answers_health_probes(tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(timeout=30)
     assert (tmp_path / "zero_0-cdc.db").exists()
+
+
+def test_serve_refuses_to_start_without_an_admin_password_outside_development(
+    tmp_path: Path,
+) -> None:
+    result = run_cli(["serve"], tmp_path, NODE_ENV="production")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        "changestreamer: ZERO_ADMIN_PASSWORD is required outside development mode "
+        "(NODE_ENV=development)"
+    ]

@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
 
+from app.server.admin import AdminAuth, admin_router, service_stats
+from app.server.health import health_router
+from app.server.metrics import metrics_router
 from app.server.replication import router as replication_router
 from app.storage import ChangeDb
 from app.streamer.service import ChangeStreamerService
@@ -43,6 +45,9 @@ def create_app(
     service_factory: Callable[[], Awaitable[ChangeStreamerService]] | None = None,
     startup_delay_s: float = 15.0,
     on_service_exit: Callable[[], None] | None = None,
+    auth: AdminAuth | None = None,
+    keepalive_timeout_s: float | None = None,
+    on_keepalive_expired: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The app over a migrated change DB (disposed at shutdown) and its service.
 
@@ -73,14 +78,28 @@ def create_app(
 
     app = FastAPI(title="changestreamer", lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    @app.get("/", response_class=PlainTextResponse)
-    async def health() -> str:
-        return "OK"
+    def ready() -> tuple[bool, str]:
+        # Ready = the streamer runs. (With backups, the backup coverage gate will
+        # be part of this once the backup monitor exists.)
+        current = holder.service
+        if current is None or not current.running:
+            return False, "the change streamer is not running"
+        return True, ""
 
-    @app.get("/keepalive", response_class=PlainTextResponse)
-    async def keepalive() -> str:
-        return "OK"
-
+    app.include_router(
+        health_router(
+            ready=ready,
+            keepalive_timeout_s=keepalive_timeout_s or None,
+            on_keepalive_expired=on_keepalive_expired or on_service_exit or (lambda: None),
+        )
+    )
+    app.include_router(
+        admin_router(
+            auth or AdminAuth(None, None, development=True),
+            lambda: service_stats(holder.service),
+        )
+    )
+    app.include_router(metrics_router(lambda: holder.service))
     if service is not None or service_factory is not None:
         app.include_router(replication_router(holder.get))
     return app

@@ -74,9 +74,7 @@ class KeepaliveMonitor:
             self.timeout_s,
             _loggable(headers or {}),
         )
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name="keepalive-monitor"
-        )
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="keepalive-monitor")
 
     async def _run(self) -> None:
         interval = self.timeout_s / 4
@@ -86,9 +84,7 @@ class KeepaliveMonitor:
             if silent_s >= self.timeout_s:
                 break
         self.expired = True
-        log.warning(
-            "no keepalive for %.3fs (timeout %.3fs): draining", silent_s, self.timeout_s
-        )
+        log.warning("no keepalive for %.3fs (timeout %.3fs): draining", silent_s, self.timeout_s)
         try:
             self._on_expired()
         except Exception:

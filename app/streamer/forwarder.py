@@ -91,7 +91,9 @@ class Forwarder:
 
     def forward(self, change: Change) -> None:
         """Sends to every active subscriber without waiting."""
-        for sub in self.active:
+        # A snapshot: a send can close a subscriber (its channel overflowed), which
+        # removes it from the set being iterated.
+        for sub in tuple(self.active):
             sub.send(change)
         self._update_state(change)
 
@@ -118,7 +120,9 @@ class Forwarder:
             self.current.cancel()
 
     def send_status(self) -> None:
-        for sub in self.active:
+        # A snapshot: a send can close a subscriber (its channel overflowed), which
+        # removes it from the set being iterated.
+        for sub in tuple(self.active):
             sub.send_status()
 
     def _update_state(self, change: Change) -> None:

@@ -53,7 +53,7 @@ from app.storage import (
     Replication,
 )
 from app.streamer.acker import UpstreamAcker
-from app.streamer.downstream import Downstream
+from app.streamer.downstream import DEFAULT_MAX_UNCONSUMED_BYTES, Downstream
 from app.streamer.forwarder import Forwarder
 from app.streamer.pump import Pump
 from app.streamer.purge import Purger
@@ -97,6 +97,9 @@ class StreamerOptions:
     backup_url: str | None = None
     backoff_initial_s: float = 0.025
     backoff_max_s: float = 10.0
+    # A subscriber with more than this sent but not acknowledged is dropped (it
+    # stopped reading); it can resume from the change log.
+    max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES
 
 
 class ChangeStreamerService:
@@ -434,7 +437,7 @@ class ChangeStreamerService:
         """Starts a subscription; errors arrive in-band on the returned channel."""
         if ctx.mode == "serving":
             self.serving_started.set()
-        downstream = Downstream()
+        downstream = Downstream(max_unconsumed_bytes=self.options.max_unconsumed_bytes)
         sub = Subscriber(
             id=ctx.id,
             protocol_version=ctx.protocol_version,

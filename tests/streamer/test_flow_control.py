@@ -231,3 +231,23 @@ async def test_recovering_resets_the_lagging_clock_and_no_grace_disables_evictio
     await run_ticks(fwd, timers, subs, 10, slow_consumes=False)
     assert subs[2][0] in fwd.active
     fwd.stop_progress_monitor()
+
+
+async def test_a_subscriber_dropped_while_forwarding_does_not_break_the_fan_out() -> None:
+    fwd = Forwarder(timers=ManualTimers())
+    subs = []
+    channels = []
+    for i in range(3):
+        sub, ds = make_sub("01", id=f"s{i}")
+        ds.on_close(lambda s=sub: fwd.remove(s))
+        sub.set_caught_up()
+        fwd.add(sub)
+        subs.append(sub)
+        channels.append(ds)
+    await settle()
+    for ds in channels:
+        ds._max = ds.unconsumed_bytes + 10  # the next change overflows: dropped mid-iteration
+    for change in tx("02"):
+        fwd.forward(change)  # must not raise "set changed size during iteration"
+    assert fwd.active == set()
+    assert all(s.closed for s in subs)

@@ -1,0 +1,140 @@
+"""``changestreamer status``: fetch ``/statz?format=json`` and print it (wire.md §4.1).
+
+The URL's origin is used over HTTP (``ws``→``http``, ``wss``→``https``; path
+and query dropped). Credentials are HTTP Basic with user ``admin`` — the
+server ignores the user name — and the admin password; without a password no
+``Authorization`` header is sent (accepted only by a server in development
+mode). Output, one section per stats group::
+
+    === changeLog ===
+      rows: 42
+    === replication ===
+      lastWatermark: 0c3f2b
+      subscribers: [{"id":"serving-replicator-87",...}]
+
+Exit codes: 0 printed; 1 refused (401), another HTTP error or no connection,
+each reported as one line on stderr; 2 a malformed URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from typing import Any, TextIO
+
+from app.client.urls import parse_base_url
+from app.protocol.canonical_json import dumps, loads
+
+__all__ = ["add_status_arguments", "format_statz", "run_status", "status"]
+
+ADMIN_USER = "admin"
+_TIMEOUT_S = 10.0
+
+
+class _HTTPFailure(Exception):
+    def __init__(self, code: int | None, text: str) -> None:
+        self.code = code
+        super().__init__(text)
+
+
+def _fetch(url: str, password: str | None) -> bytes:
+    """GET ``url`` (blocking; run in a thread). Proxies are not used."""
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    if password is not None:
+        token = base64.b64encode(f"{ADMIN_USER}:{password}".encode()).decode("ascii")
+        request.add_header("Authorization", f"Basic {token}")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=_TIMEOUT_S) as response:
+            body: bytes = response.read()
+            return body
+    except urllib.error.HTTPError as e:
+        with e:
+            raise _HTTPFailure(e.code, f"HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = e.reason if isinstance(e, urllib.error.URLError) else e
+        raise _HTTPFailure(None, f"cannot reach {url}: {reason}") from None
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return dumps(value)
+
+
+def format_statz(stats: Any) -> str:
+    """The readable form of a ``/statz?format=json`` document (see the module docstring)."""
+    if not isinstance(stats, dict):
+        return json.dumps(stats, indent=2, ensure_ascii=False) + "\n"
+    lines: list[str] = []
+    for group, values in stats.items():
+        lines.append(f"=== {group} ===")
+        if isinstance(values, dict):
+            lines.extend(f"  {key}: {_value(value)}" for key, value in values.items())
+        else:
+            lines.append(f"  {_value(values)}")
+    return "\n".join(lines) + "\n"
+
+
+async def status(url: str, *, password: str | None, out: TextIO, err: TextIO | None = None) -> int:
+    """Prints the server's ``/statz`` groups; returns the exit code (see module docstring)."""
+    errors = err if err is not None else sys.stderr
+    try:
+        statz_url = parse_base_url(url).http("/statz", {"format": "json"})
+    except ValueError as e:
+        errors.write(f"changestreamer status: {e}\n")
+        return 2
+    try:
+        body = await asyncio.to_thread(_fetch, statz_url, password)
+    except _HTTPFailure as e:
+        if e.code == 401:
+            hint = (
+                "the admin password was rejected"
+                if password is not None
+                else "an admin password is required (--password or ZERO_ADMIN_PASSWORD)"
+            )
+            errors.write(f"changestreamer status: unauthorized (HTTP 401): {hint}\n")
+        else:
+            errors.write(f"changestreamer status: {e}\n")
+        return 1
+    try:
+        stats = loads(body.decode())
+    except ValueError:
+        errors.write("changestreamer status: /statz did not return JSON\n")
+        return 1
+    out.write(format_statz(stats))
+    out.flush()
+    return 0
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``status`` options; pair with :func:`run_status`."""
+    parser.add_argument(
+        "url",
+        nargs="?",
+        default=os.environ.get("ZERO_CHANGE_STREAMER_URI") or "http://localhost:4849",
+        help="server URI, http(s):// or ws(s):// (default ZERO_CHANGE_STREAMER_URI or "
+        "http://localhost:4849)",
+    )
+    parser.add_argument(
+        "--password",
+        default=os.environ.get("ZERO_ADMIN_PASSWORD"),
+        help="admin password (default ZERO_ADMIN_PASSWORD)",
+    )
+
+
+def run_status(
+    args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    """Runs ``status`` for parsed :func:`add_status_arguments` options; the exit code."""
+    return asyncio.run(
+        status(
+            args.url, password=args.password, out=out if out is not None else sys.stdout, err=err
+        )
+    )

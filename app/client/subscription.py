@@ -1,0 +1,143 @@
+"""A ``/replication/v{N}/changes`` subscription (wire.md §2.3).
+
+A :class:`Subscription` is an async iterator of parsed downstream messages:
+:class:`~app.protocol.downstream.DownstreamStatus`,
+:class:`~app.protocol.messages.Begin`, :class:`~app.protocol.messages.Data`,
+:class:`~app.protocol.messages.Commit` and :class:`~app.protocol.messages.Rollback`
+(the frozen dataclasses of :mod:`app.protocol`; ``msg.kind`` tells them apart
+and ``msg.as_list()`` gives the wire tuple back).
+
+Acks follow zero's replicator: message *N* is acked when the caller asks for
+message *N+1*, i.e. after it has processed *N*. The server's acked watermark
+(purge safety) therefore never runs ahead of what the caller applied. Closing
+the subscription does not ack the message the caller last received: the
+server forgets the subscriber on disconnect, so that ack would change nothing.
+
+How the iteration ends:
+
+* an in-band ``error`` message is acked (the server waits for that ack before
+  closing), then raised as a :class:`~app.client.errors.ChangeStreamerError`
+  subclass;
+* close 1002 raises :class:`~app.client.errors.ProtocolError`;
+* a clean close (1000, 1001, 1005) ends the iteration (``StopAsyncIteration``);
+* any other end raises :class:`~app.client.errors.ConnectionLostError`
+  (including a liveness timeout and an unparsable message).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Literal, Self
+
+from app.client.channel import Channel, ChannelEnded
+from app.client.errors import InvalidMessageError, error_from_message
+from app.protocol.downstream import DownstreamError, DownstreamStatus, parse_downstream_message
+from app.protocol.messages import Begin, Commit, Data, MessageValidationError, Rollback
+
+__all__ = ["Mode", "Subscription", "SubscriptionContext", "SubscriptionMessage"]
+
+Mode = Literal["serving", "backup"]
+
+SubscriptionMessage = DownstreamStatus | Begin | Data | Commit | Rollback
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionContext:
+    """Who subscribes and from where.
+
+    ``watermark`` is the last commit watermark the subscriber applied; the
+    stream starts strictly after it. It must equal a stored commit watermark or
+    ``replica_version`` (otherwise the server answers WatermarkTooOld).
+    ``initial`` tells the server the subscriber has not applied anything since
+    it started (with ``task_id`` it also ends that task's snapshot reservation).
+    """
+
+    id: str
+    replica_version: str
+    watermark: str
+    mode: Mode = "serving"
+    task_id: str | None = None
+    initial: bool = False
+
+    def query(self) -> dict[str, str]:
+        """The query parameters, in the order zero's client sends them."""
+        return {
+            "taskID": self.task_id or "",
+            "id": self.id,
+            "mode": self.mode,
+            "watermark": self.watermark,
+            "replicaVersion": self.replica_version,
+            "initial": "true" if self.initial else "false",
+        }
+
+
+class Subscription:
+    """The messages of one subscription connection; see the module docstring."""
+
+    def __init__(self, channel: Channel, ctx: SubscriptionContext) -> None:
+        self.ctx = ctx
+        self._channel = channel
+        self._pending_ack: int | None = None
+        self._done = False
+
+    @property
+    def url(self) -> str:
+        return self._channel.url
+
+    @property
+    def closed(self) -> bool:
+        """True once the iteration ended or :meth:`close` was called."""
+        return self._done
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> SubscriptionMessage:
+        if self._done:
+            raise StopAsyncIteration
+        if self._pending_ack is not None:
+            # The caller is done with the previous message: that is the ack.
+            await self._channel.ack(self._pending_ack)
+            self._pending_ack = None
+        try:
+            envelope = await self._channel.receive()
+        except ChannelEnded as ended:
+            closed_by_caller = self._done  # close() ran while we were waiting
+            await self._finish()
+            if ended.error is None or closed_by_caller:
+                raise StopAsyncIteration from None
+            raise ended.error from None
+        try:
+            message = parse_downstream_message(envelope.messages[0])
+        except MessageValidationError as e:
+            await self._finish()
+            raise InvalidMessageError(f"invalid message from the server: {e}") from e
+        if isinstance(message, DownstreamError):
+            await self._channel.ack(envelope.id)
+            await self._finish()
+            raise error_from_message(message)
+        self._pending_ack = envelope.id
+        return message
+
+    async def close(self) -> None:
+        """Closes the connection (idempotent); the iteration then ends cleanly."""
+        await self._finish()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _finish(self) -> None:
+        self._done = True
+        self._pending_ack = None
+        with contextlib.suppress(Exception):
+            await self._channel.close()

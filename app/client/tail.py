@@ -1,0 +1,157 @@
+"""``changestreamer tail``: follow a change-streamer's transactions on stdout.
+
+Subscribes (mode ``serving``, reconnecting after drops; see
+:mod:`app.client.resume`) and prints each message (:mod:`app.client.render`).
+
+* ``--from WATERMARK`` is the subscription watermark: output starts with the
+  first transaction *after* it. It must be a stored commit watermark or the
+  replica version (the server rejects anything else as WatermarkTooOld). The
+  default is the replica version, i.e. everything still in the change log,
+  then live transactions.
+* Without ``--replica-version`` the replica version is learned first with a
+  probe subscription using replica version ``00``: the server rejects it with
+  ``current replica version is X (requested 00)`` and tail resubscribes with X.
+* ``--limit N`` stops after N committed transactions.
+
+The tail is a real subscriber: it acks each message after printing it, so a
+stalled pipe holds back the server's flow control and change-log purges like
+a stalled view-syncer would. It uses mode ``serving`` (mode ``backup`` would
+make the server reset the replica when the watermark is too old), so it also
+ends the server's start-up delay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import TextIO
+
+from app.client.client import ChangeStreamerClient
+from app.client.errors import ClientError
+from app.client.render import MessagePrinter
+from app.client.resume import ReconnectPolicy
+from app.client.subscription import SubscriptionContext
+from app.protocol.messages import Commit
+
+__all__ = ["DEFAULT_URL", "add_tail_arguments", "run_tail", "tail"]
+
+DEFAULT_URL = "ws://localhost:4849"
+
+
+async def tail(
+    url: str,
+    *,
+    replica_version: str | None = None,
+    watermark: str | None = None,
+    json_output: bool = False,
+    out: TextIO,
+    limit: int | None = None,
+    err: TextIO | None = None,
+    subscriber_id: str | None = None,
+    give_up_after_s: float | None = None,
+) -> int:
+    """Prints transactions until ``limit`` commits (or forever); returns the exit code.
+
+    Errors are one line on ``err`` (default stderr) and exit code 1; a bad URL is 2.
+    ``give_up_after_s`` bounds how long reconnecting may fail before giving up.
+    """
+    errors = err if err is not None else sys.stderr
+    try:
+        client = ChangeStreamerClient(url)
+    except ValueError as e:
+        errors.write(f"changestreamer tail: {e}\n")
+        return 2
+    name = subscriber_id or f"tail-{os.getpid()}"
+    printer = MessagePrinter(out, json_output=json_output)
+    commits = 0
+    try:
+        if replica_version is None:
+            replica_version = await client.probe_replica_version(f"{name}-probe")
+        ctx = SubscriptionContext(name, replica_version, watermark or replica_version)
+        policy = ReconnectPolicy(max_elapsed_s=give_up_after_s)
+        async with client.resume(ctx, policy) as subscription:
+            if limit is not None and limit <= 0:
+                return 0
+            async for message in subscription:
+                printer.write(message)
+                if isinstance(message, Commit):
+                    commits += 1
+                    if limit is not None and commits >= limit:
+                        break
+    except ClientError as e:
+        errors.write(f"changestreamer tail: {e}\n")
+        return 1
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def add_tail_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``tail`` options; pair with :func:`run_tail`."""
+    parser.add_argument(
+        "url",
+        nargs="?",
+        default=os.environ.get("ZERO_CHANGE_STREAMER_URI") or DEFAULT_URL,
+        help="change-streamer URI, ws:// or http(s):// (default ZERO_CHANGE_STREAMER_URI "
+        f"or {DEFAULT_URL})",
+    )
+    parser.add_argument(
+        "--from",
+        dest="watermark",
+        metavar="WATERMARK",
+        help="start after this commit watermark (default: the replica version, i.e. the "
+        "whole change log)",
+    )
+    parser.add_argument(
+        "--replica-version", help="the server's replica version (default: ask the server)"
+    )
+    parser.add_argument(
+        "--json",
+        dest="json_output",
+        action="store_true",
+        help="print each message as one line of canonical JSON",
+    )
+    parser.add_argument(
+        "--limit", type=_positive_int, metavar="N", help="exit after N transactions"
+    )
+    parser.add_argument("--id", dest="subscriber_id", help="subscriber id (default tail-<pid>)")
+    parser.add_argument(
+        "--give-up-after",
+        type=_seconds,
+        metavar="SECONDS",
+        help="exit when reconnecting keeps failing this long (default: retry forever)",
+    )
+
+
+def run_tail(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Runs ``tail`` for parsed :func:`add_tail_arguments` options; the exit code."""
+    try:
+        return asyncio.run(
+            tail(
+                args.url,
+                replica_version=args.replica_version,
+                watermark=args.watermark,
+                json_output=args.json_output,
+                out=out if out is not None else sys.stdout,
+                limit=args.limit,
+                err=err,
+                subscriber_id=args.subscriber_id,
+                give_up_after_s=args.give_up_after,
+            )
+        )
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,451 @@
+"""Password-protected admin endpoints: ``/statz`` and ``/profile`` (spec/wire.md §4).
+
+**Credentials** (§4.2). HTTP Basic only; the username is ignored. Two passwords:
+
+* the *admin* password (``ZERO_ADMIN_PASSWORD``) grants every endpoint;
+* the optional *operator* password grants only endpoints declared
+  ``Role.OPERATOR`` — the read-only ones. Both endpoints here are read-only, so
+  today the operator password opens everything this module serves; an endpoint
+  that changes state must be declared ``Role.ADMIN``, and then only the admin
+  password opens it.
+
+Without credentials, with no admin password and in development mode
+(``NODE_ENV=development``) access is allowed (a warning is logged once). Otherwise
+an unset admin password denies everything, and outside development the process
+must refuse to start (:func:`check_startup`). Passwords are compared in constant
+time. A denial is ``401 Unauthorized`` with ``WWW-Authenticate: Basic
+realm="Statz Protected Area"`` (resp. ``"Profile Protected Area"``).
+
+**GET /statz** — stats by group (``changeLog``, ``replication``, ``os`` from
+:func:`service_stats`). ``group=`` picks groups (comma list or repeated; unknown
+names ignored; default all); ``format=json`` answers ``{group: stats}`` (``pretty``
+present: indented), anything else ``text/plain``::
+
+    === changeLog ===
+    rows: 1234
+    minWatermark: 0a1b2c
+
+A group that fails to compute reports ``{"error": "..."}``; the request succeeds.
+
+**GET /profile?seconds=N** (N an integer 1..60, default 5) — profiles the event
+loop's thread with :mod:`cProfile` for N seconds (everything the service does runs
+on that thread; database driver threads are not included) and answers the
+``pstats`` data as an attachment ``changestreamer-<UTC timestamp>.pstats``. One
+profile at a time (409 otherwise). Read it with::
+
+    curl -u :$ZERO_ADMIN_PASSWORD -OJ 'http://host:4849/profile?seconds=10'
+    python -m pstats changestreamer-20260101T120000Z.pstats   # then: sort cumtime / stats 30
+    snakeviz changestreamer-20260101T120000Z.pstats            # a flame graph in the browser
+
+or ``pstats.Stats(path).sort_stats("cumtime").print_stats(30)``. The file is
+Python's marshal format: read it with the same Python minor version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import cProfile
+import enum
+import hmac
+import json
+import logging
+import marshal
+import os
+import platform
+import re
+import resource
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from app.protocol.canonical_json import dumps
+from app.server.metrics import latest_lag_report
+from app.streamer.service import ChangeStreamerService
+
+log = logging.getLogger(__name__)
+
+STATZ_REALM = "Statz Protected Area"
+PROFILE_REALM = "Profile Protected Area"
+STARTUP_ERROR = "ZERO_ADMIN_PASSWORD is required outside development mode (NODE_ENV=development)"
+
+DEFAULT_PROFILE_SECONDS = 5
+MAX_PROFILE_SECONDS = 60
+# A stats group that needs the database gives up after this long (a wedged
+# change DB must not hang the admin endpoint).
+GROUP_TIMEOUT_S = 10.0
+
+StatsSource = Callable[[], Awaitable[dict[str, dict[str, Any]]]]
+
+_PROCESS_IMPORTED_AT = time.monotonic()
+
+
+# ----------------------------------------------------------------------
+# Credentials.
+
+
+class Role(enum.Enum):
+    """What an endpoint requires. The admin password satisfies both."""
+
+    OPERATOR = "operator"  # read-only endpoints
+    ADMIN = "admin"  # endpoints that change state
+
+
+def check_startup(admin_password: str | None, development: bool) -> str | None:
+    """The error to refuse to start with, or None (spec/wire.md §4.2)."""
+    if not admin_password and not development:
+        return STARTUP_ERROR
+    return None
+
+
+class AdminAuth:
+    """Checks Basic credentials against the admin and operator passwords.
+
+    Empty passwords count as unset (as an empty ``ZERO_ADMIN_PASSWORD`` does).
+    """
+
+    def __init__(
+        self, admin_password: str | None, operator_password: str | None, development: bool
+    ) -> None:
+        self._admin = admin_password.encode() if admin_password else None
+        self._operator = operator_password.encode() if operator_password else None
+        self._development = development
+        self._warned = False
+
+    def allows(self, authorization: str | None, role: Role) -> bool:
+        """Whether an ``Authorization`` header value grants an endpoint requiring ``role``."""
+        supplied = _basic_password(authorization)
+        if supplied is None and self._admin is None and self._development:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "no ZERO_ADMIN_PASSWORD set: admin endpoints are open (development mode)"
+                )
+            return True
+        if self._admin is None or supplied is None:
+            return False
+        candidates = [self._admin]
+        if role is Role.OPERATOR and self._operator is not None:
+            candidates.append(self._operator)
+        granted = False
+        for expected in candidates:  # no short cut: every candidate is compared
+            granted |= _constant_time_equal(supplied, expected)
+        return granted
+
+    def denial(self, request: Request, realm: str, role: Role) -> Response | None:
+        """None if ``request`` may proceed, else the 401 to answer."""
+        if self.allows(request.headers.get("authorization"), role):
+            return None
+        return PlainTextResponse(
+            "Unauthorized",
+            status_code=401,
+            headers={"WWW-Authenticate": f'Basic realm="{realm}"'},
+        )
+
+
+def _basic_password(authorization: str | None) -> bytes | None:
+    """The password of a Basic ``Authorization`` value; None if absent or malformed."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(token.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    user, colon, password = decoded.partition(b":")
+    if not colon:
+        return None
+    del user  # ignored, as in the reference
+    return password
+
+
+def _constant_time_equal(supplied: bytes, expected: bytes) -> bool:
+    if len(supplied) != len(expected):
+        # Spend the time of a comparison anyway, then deny.
+        hmac.compare_digest(supplied, supplied)
+        return False
+    return hmac.compare_digest(supplied, expected)
+
+
+# ----------------------------------------------------------------------
+# Profiling.
+
+
+class ProfilerBusy(Exception):
+    """A profile is already being captured."""
+
+
+class LoopProfiler:
+    """Captures cProfile data of the calling (event loop) thread, one capture at a time."""
+
+    def __init__(self) -> None:
+        self._busy = False
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    async def capture(self, seconds: float) -> bytes:
+        """Profiles for ``seconds``; returns the data in ``pstats`` (marshal) format."""
+        if self._busy:
+            raise ProfilerBusy("a profile is already being captured")
+        self._busy = True
+        try:
+            profiler = cProfile.Profile()
+            try:
+                profiler.enable()
+            except ValueError as e:  # another profiler owns the thread
+                raise ProfilerBusy(str(e)) from e
+            try:
+                await asyncio.sleep(seconds)
+            finally:
+                profiler.disable()
+            profiler.create_stats()
+            # What Profile.dump_stats writes, without a temporary file.
+            return marshal.dumps(profiler.stats)
+        finally:
+            self._busy = False
+
+
+_SECONDS = re.compile(r"[0-9]{1,9}")
+
+
+def _profile_seconds(raw: str | None) -> int | None:
+    if raw is None:
+        return DEFAULT_PROFILE_SECONDS
+    if not _SECONDS.fullmatch(raw):
+        return None
+    seconds = int(raw)
+    return seconds if 1 <= seconds <= MAX_PROFILE_SECONDS else None
+
+
+# ----------------------------------------------------------------------
+# Routes.
+
+
+def admin_router(
+    auth: AdminAuth,
+    stats: StatsSource,
+    *,
+    profiler: LoopProfiler | None = None,
+) -> APIRouter:
+    """``GET /statz`` and ``GET /profile``, both read-only (``Role.OPERATOR``)."""
+    router = APIRouter()
+    loop_profiler = profiler or LoopProfiler()
+
+    @router.get("/statz")
+    async def statz(request: Request) -> Response:
+        denied = auth.denial(request, STATZ_REALM, Role.OPERATOR)
+        if denied is not None:
+            return denied
+        params = request.query_params
+        try:
+            groups = await stats()
+        except Exception as e:
+            log.exception("collecting stats failed")
+            return JSONResponse({"error": f"collecting stats failed: {_describe(e)}"}, 500)
+        requested = _requested_groups(params.getlist("group"))
+        if requested is not None:
+            groups = {name: values for name, values in groups.items() if name in requested}
+        if params.get("format") == "json":
+            if "pretty" in params:
+                body = json.dumps(groups, indent=2, ensure_ascii=False)
+            else:
+                body = dumps(groups)
+            return Response(body, media_type="application/json")
+        return PlainTextResponse(render_text(groups))
+
+    @router.get("/profile")
+    async def profile(request: Request) -> Response:
+        denied = auth.denial(request, PROFILE_REALM, Role.OPERATOR)
+        if denied is not None:
+            return denied
+        seconds = _profile_seconds(request.query_params.get("seconds"))
+        if seconds is None:
+            return JSONResponse(
+                {
+                    "error": "seconds must be an integer from 1 to "
+                    f"{MAX_PROFILE_SECONDS} (default {DEFAULT_PROFILE_SECONDS})"
+                },
+                status_code=400,
+            )
+        started = datetime.now(UTC)
+        try:
+            data = await loop_profiler.capture(seconds)
+        except ProfilerBusy as e:
+            return JSONResponse({"error": str(e)}, status_code=409)
+        filename = f"changestreamer-{started.strftime('%Y%m%dT%H%M%SZ')}.pstats"
+        return Response(
+            data,
+            media_type="application/octet-stream",
+            headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+        )
+
+    return router
+
+
+def _requested_groups(values: list[str]) -> frozenset[str] | None:
+    names = frozenset(n.strip() for v in values for n in v.split(",") if n.strip())
+    return names or None
+
+
+def render_text(groups: dict[str, dict[str, Any]]) -> str:
+    """``=== group ===`` sections of ``key: value`` lines (non-strings as JSON)."""
+    sections = []
+    for name, values in groups.items():
+        lines = [f"=== {name} ==="]
+        lines += [f"{k}: {v if isinstance(v, str) else dumps(v)}" for k, v in values.items()]
+        sections.append("\n".join(lines) + "\n")
+    return "\n".join(sections)
+
+
+# ----------------------------------------------------------------------
+# The stats of a change-streamer.
+
+
+async def service_stats(service: ChangeStreamerService | None) -> dict[str, dict[str, Any]]:
+    """The ``changeLog``, ``replication`` and ``os`` groups; each fails on its own."""
+    return {
+        "changeLog": await _guarded(lambda: _change_log_stats(service)),
+        "replication": await _guarded(lambda: _replication_stats(service)),
+        "os": await _guarded(_os_stats_async),
+    }
+
+
+async def _guarded(compute: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    try:
+        return await asyncio.wait_for(compute(), GROUP_TIMEOUT_S)
+    except Exception as e:
+        log.warning("a stats group failed: %s", _describe(e))
+        return {"error": _describe(e)}
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _running(service: ChangeStreamerService | None) -> ChangeStreamerService:
+    if service is None:
+        raise RuntimeError("the change streamer is not running")
+    return service
+
+
+async def _change_log_stats(service: ChangeStreamerService | None) -> dict[str, Any]:
+    change_log = _running(service).change_log
+    return {
+        "rows": await change_log.count(),
+        "minWatermark": await change_log.min_watermark(),
+        "maxWatermark": await change_log.max_watermark(),
+    }
+
+
+async def _replication_stats(service: ChangeStreamerService | None) -> dict[str, Any]:
+    s = _running(service)
+    config = await s.replication.config()
+    state = await s.replication.state()
+    forwarder = s.forwarder
+    subscribers = [
+        *(("active", sub) for sub in forwarder.active),
+        *(("queued", sub) for sub in forwarder.queued),
+    ]
+    return {
+        "replicaVersion": config.replica_version if config else s.replica_version,
+        "publications": list(config.publications) if config else None,
+        "resetRequired": config.reset_required if config else None,
+        "lastWatermark": state.last_watermark if state else None,
+        "owner": state.owner if state else None,
+        "ownerAddress": state.owner_address if state else None,
+        "taskID": s.task_id,
+        "running": s.running,
+        "durableWatermark": s.storer.durable,
+        "transactions": s.transactions,
+        "changes": s.changes,
+        "storerQueuedBytes": s.storer.queued_bytes,
+        "subscribers": {"active": len(forwarder.active), "queued": len(forwarder.queued)},
+        "subscriberDetails": [
+            {
+                "id": sub.id,
+                "mode": sub.mode,
+                "state": state_name,
+                "protocolVersion": sub.protocol_version,
+                "watermark": sub.watermark,
+                "acked": sub.acked,
+                "catchingUp": sub.backlogged,
+                "backlogMessages": sub.backlog_size,
+                "bufferedBytes": sub.buffered_bytes,
+                "pendingMessages": sub.downstream.pending,
+            }
+            for state_name, sub in subscribers
+        ],
+        "flowControl": {
+            "waits": dict(forwarder.stats.waits),
+            "waitSeconds": forwarder.stats.wait_seconds,
+        },
+        "lagReport": latest_lag_report(s),
+    }
+
+
+async def _os_stats_async() -> dict[str, Any]:
+    return os_stats()
+
+
+def os_stats() -> dict[str, Any]:
+    """The process and host: pid, uptime, memory, CPU time, load, Python."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    max_rss = usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024
+    try:
+        load: list[float] | None = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {
+        "pid": os.getpid(),
+        "uptimeSeconds": round(_process_uptime_s(), 3),
+        "rssBytes": _current_rss_bytes(),
+        "maxRssBytes": max_rss,
+        "userCpuSeconds": round(usage.ru_utime, 3),
+        "systemCpuSeconds": round(usage.ru_stime, 3),
+        "threads": threading.active_count(),
+        "loadAverage": load,
+        "cpuCount": os.cpu_count(),
+        "pythonVersion": platform.python_version(),
+        "pythonImplementation": platform.python_implementation(),
+        "platform": platform.platform(),
+    }
+
+
+def _current_rss_bytes() -> int | None:
+    """VmRSS from /proc (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _process_uptime_s() -> float:
+    """Since the process started (Linux /proc), else since this module was imported."""
+    try:
+        with open("/proc/self/stat", encoding="ascii", errors="replace") as f:
+            # Field 22 (starttime, clock ticks after boot); the command name
+            # (field 2) may hold spaces, so count from its closing parenthesis.
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime", encoding="ascii") as f:
+            boot_uptime = float(f.read().split()[0])
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return max(0.0, boot_uptime - started)
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _PROCESS_IMPORTED_AT

@@ -1,0 +1,130 @@
+"""The status command against a stub /statz handler.
+
+The real /statz endpoint is not part of the client: these tests serve a tiny
+stand-in on 127.0.0.1 that checks Basic auth like the spec (wire.md §4.2) and
+returns a fixed JSON document, and record each request line and header.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from app.client import add_status_arguments, run_status, status
+from app.client.status import format_statz
+
+from .conftest import free_port
+
+PASSWORD = "s3cret"
+STATZ = (
+    '{"changeLog":{"rows":42},'
+    '"replication":{"lastWatermark":"0c3f2b","subscribers":[{"id":"a","acked":"0c3f2b"}]},'
+    '"upstream":{"error":"connection refused"}}'
+)
+
+
+@dataclass
+class Stub:
+    url: str
+    requests: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[Stub]:
+    port = free_port()
+    stub = Stub(f"ws://127.0.0.1:{port}/ignored?x=1")
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request_line = (await reader.readline()).decode().strip()
+        headers: dict[str, str] = {}
+        while (line := (await reader.readline()).decode().strip()) != "":
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        stub.requests.append((request_line, headers))
+        auth = headers.get("authorization", "")
+        # The user name is ignored, as in the reference.
+        ok = auth.startswith("Basic ") and base64.b64decode(auth[6:]).decode().endswith(
+            ":" + PASSWORD
+        )
+        if ok:
+            body, head = STATZ.encode(), "HTTP/1.1 200 OK\r\nContent-Type: application/json"
+        else:
+            body = b"Unauthorized"
+            head = (
+                "HTTP/1.1 401 Unauthorized\r\nContent-Type: text/plain\r\n"
+                'WWW-Authenticate: Basic realm="Statz Protected Area"'
+            )
+        writer.write(
+            f"{head}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+        )
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    async with server:
+        yield stub
+
+
+async def test_the_stats_are_printed_per_group(stub: Stub) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    assert await status(stub.url, password=PASSWORD, out=out, err=err) == 0
+    assert out.getvalue() == (
+        "=== changeLog ===\n"
+        "  rows: 42\n"
+        "=== replication ===\n"
+        "  lastWatermark: 0c3f2b\n"
+        '  subscribers: [{"id":"a","acked":"0c3f2b"}]\n'
+        "=== upstream ===\n"
+        "  error: connection refused\n"
+    )
+    assert err.getvalue() == ""
+    [(request_line, headers)] = stub.requests
+    assert request_line == "GET /statz?format=json HTTP/1.1"
+    assert headers["authorization"] == "Basic " + base64.b64encode(b"admin:s3cret").decode()
+
+
+async def test_a_wrong_password_is_one_line_and_exit_code_1(stub: Stub) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    assert await status(stub.url, password="nope", out=out, err=err) == 1
+    assert out.getvalue() == ""
+    assert err.getvalue() == (
+        "changestreamer status: unauthorized (HTTP 401): the admin password was rejected\n"
+    )
+
+
+async def test_no_password_sends_no_credentials_and_says_what_is_missing(stub: Stub) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    assert await status(stub.url, password=None, out=out, err=err) == 1
+    assert "authorization" not in stub.requests[0][1]
+    assert err.getvalue().count("\n") == 1
+    assert "--password or ZERO_ADMIN_PASSWORD" in err.getvalue()
+
+
+async def test_the_argument_parser_reads_the_password(stub: Stub) -> None:
+    parser = argparse.ArgumentParser()
+    add_status_arguments(parser)
+    args = parser.parse_args([stub.url, "--password", PASSWORD])
+    out, err = io.StringIO(), io.StringIO()
+    assert await asyncio.to_thread(run_status, args, out, err) == 0
+    assert out.getvalue().startswith("=== changeLog ===\n")
+
+
+async def test_an_unreachable_server_is_one_line_and_exit_code_1() -> None:
+    err = io.StringIO()
+    code = await status(
+        f"http://127.0.0.1:{free_port()}", password=None, out=io.StringIO(), err=err
+    )
+    assert code == 1
+    assert err.getvalue().startswith("changestreamer status: cannot reach http://127.0.0.1:")
+    assert err.getvalue().count("\n") == 1
+
+
+def test_format_statz_of_a_non_object() -> None:
+    assert format_statz([1, 2]) == "[\n  1,\n  2\n]\n"

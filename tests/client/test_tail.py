@@ -1,0 +1,95 @@
+"""The tail command against the real server: readable and JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+from typing import Any
+
+from app.client import (
+    ChangeStreamerClient,
+    SubscriptionContext,
+    add_tail_arguments,
+    run_tail,
+    tail,
+)
+from app.protocol.canonical_json import loads
+
+from .conftest import TIMEOUT, Server, txn
+
+REL = {"schema": "public", "name": "issues", "rowKey": {"columns": ["id"]}}
+
+
+def mixed(w: str) -> list[list[Any]]:
+    return [
+        ["begin", {"tag": "begin"}, {"commitWatermark": w}],
+        ["data", {"tag": "update", "relation": REL, "key": {"id": "a"}, "new": {"id": "b"}}],
+        ["data", {"tag": "delete", "relation": REL, "key": {"id": "b"}}],
+        ["data", {"tag": "truncate", "relations": [REL]}],
+        ["commit", {"tag": "commit"}, {"watermark": w}],
+    ]
+
+
+async def store(server: Server, *messages: list[Any]) -> None:
+    stream = await asyncio.wait_for(server.source.wait_for_stream(), TIMEOUT)
+    stream.push_all(messages)
+
+
+async def test_readable_output_learns_the_replica_version(server: Server) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    running = asyncio.create_task(
+        tail(server.url, replica_version=None, watermark=None, json_output=False, out=out,
+             limit=2, err=err)
+    )  # fmt: skip
+    await store(server, *txn("02", 2), *mixed("03"))
+    assert await asyncio.wait_for(running, TIMEOUT) == 0, err.getvalue()
+    assert out.getvalue().splitlines() == [
+        "begin 02",
+        '02  insert public.issues {"id":"02-0","title":"t0"}',
+        '02  insert public.issues {"id":"02-1","title":"t1"}',
+        "commit 02",
+        "begin 03",
+        '03  update public.issues {"id":"b"} key {"id":"a"}',
+        '03  delete public.issues {"id":"b"}',
+        "03  truncate public.issues",
+        "commit 03",
+    ]
+    assert err.getvalue() == ""
+
+
+async def test_json_output_from_a_watermark_via_the_argument_parser(server: Server) -> None:
+    # A serving subscription is what starts the server's change stream.
+    client = ChangeStreamerClient(server.url)
+    async with await client.subscribe(SubscriptionContext("x", "01", "01")) as sub:
+        await asyncio.wait_for(sub.__anext__(), TIMEOUT)
+    await store(server, *txn("02"), *txn("03"))
+    await asyncio.wait_for(server.service.storer.wait_durable("03"), TIMEOUT)
+    parser = argparse.ArgumentParser()
+    add_tail_arguments(parser)
+    args = parser.parse_args([server.url, "--from", "02", "--json", "--limit", "1"])
+    out, err = io.StringIO(), io.StringIO()
+    code = await asyncio.wait_for(asyncio.to_thread(run_tail, args, out, err), TIMEOUT)
+    assert code == 0, err.getvalue()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == '["status",{"tag":"status"}]'
+    assert [loads(line) for line in lines[1:]] == txn("03")
+    assert lines[1] == '["begin",{"tag":"begin"},{"commitWatermark":"03"}]'
+
+
+async def test_an_in_band_error_is_one_line_and_exit_code_1(server: Server) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    code = await asyncio.wait_for(
+        tail(server.url, replica_version="0z", out=out, err=err, limit=1), TIMEOUT
+    )
+    assert code == 1
+    assert out.getvalue() == ""
+    assert err.getvalue() == (
+        "changestreamer tail: WrongReplicaVersion: current replica version is 01 (requested 0z)\n"
+    )
+
+
+async def test_a_bad_url_is_exit_code_2() -> None:
+    err = io.StringIO()
+    assert await tail("ftp://x", out=io.StringIO(), err=err) == 2
+    assert "must start with ws://" in err.getvalue()

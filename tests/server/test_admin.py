@@ -1,0 +1,440 @@
+"""Admin endpoints over real loopback HTTP: the password check (wire.md §4.2),
+/statz groups and formats (§4.1), and /profile."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import pstats
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from email.message import Message
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from app.server.admin import (
+    STARTUP_ERROR,
+    AdminAuth,
+    LoopProfiler,
+    Role,
+    admin_router,
+    check_startup,
+    render_text,
+    service_stats,
+)
+from app.sources.memory import MemoryChangeSource
+from app.storage import (
+    Replication,
+    Shard,
+    SubscriptionState,
+    create_change_db,
+    migrate,
+    parse_change_db_url,
+)
+from app.streamer.service import ChangeStreamerService, SubscriberContext
+
+from .conftest import REPLICA_VERSION, free_port
+
+ADMIN = "s3cret-admin"
+OPERATOR = "op-password"
+
+STATZ_CHALLENGE = 'Basic realm="Statz Protected Area"'
+PROFILE_CHALLENGE = 'Basic realm="Profile Protected Area"'
+
+Stats = Callable[[], Awaitable[dict[str, dict[str, Any]]]]
+
+# -- a real server on loopback -------------------------------------------------
+
+
+@asynccontextmanager
+async def serve(app: FastAPI) -> AsyncIterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    for _ in range(2000):  # up to 20 s
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 20)
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: Message
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode()
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _fetch(url: str, headers: dict[str, str]) -> Reply:
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with _OPENER.open(request, timeout=90) as r:
+            return Reply(r.status, r.headers, r.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return Reply(e.code, e.headers, e.read())
+
+
+async def get(url: str, password: str | None = None, user: str = "admin") -> Reply:
+    headers = {}
+    if password is not None:
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        headers["Authorization"] = f"Basic {token}"
+    return await asyncio.to_thread(_fetch, url, headers)
+
+
+def basic(password: str, user: str = "") -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+# -- a change-streamer service over a SQLite log (not running) ---------------------
+
+
+@pytest.fixture
+async def service(tmp_path: Path) -> AsyncIterator[ChangeStreamerService]:
+    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
+    await migrate(db)
+    await Replication(db).ensure_config(
+        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
+    )
+    svc = ChangeStreamerService(
+        db=db,
+        source=MemoryChangeSource(),
+        task_id="admin-test",
+        address=None,
+        replica_version=REPLICA_VERSION,
+        durable_watermark=REPLICA_VERSION,
+    )
+    try:
+        yield svc
+    finally:
+        svc.forwarder.close_all()
+        await svc.storer.close_catchups()
+        await db.dispose()
+
+
+def admin_app(
+    auth: AdminAuth,
+    stats: Stats | None = None,
+    profiler: LoopProfiler | None = None,
+) -> FastAPI:
+    async def os_only() -> dict[str, dict[str, Any]]:
+        return await service_stats(None)
+
+    app = FastAPI()
+    app.include_router(admin_router(auth, stats or os_only, profiler=profiler))
+    return app
+
+
+PRODUCTION = AdminAuth(ADMIN, OPERATOR, development=False)
+
+
+# -- the password check (wire.md §4.2) ------------------------------------------
+
+
+async def test_no_credentials_is_401_with_the_realm_of_each_endpoint() -> None:
+    async with serve(admin_app(PRODUCTION)) as url:
+        statz = await get(url + "/statz")
+        profile = await get(url + "/profile?seconds=1")
+    assert (statz.status, statz.text) == (401, "Unauthorized")
+    assert statz.headers["WWW-Authenticate"] == STATZ_CHALLENGE
+    assert (profile.status, profile.text) == (401, "Unauthorized")
+    assert profile.headers["WWW-Authenticate"] == PROFILE_CHALLENGE
+
+
+async def test_a_wrong_password_is_401() -> None:
+    async with serve(admin_app(PRODUCTION)) as url:
+        wrong = await get(url + "/statz", "not-it")
+        prefix = await get(url + "/statz", ADMIN[:-1])
+        longer = await get(url + "/statz", ADMIN + "x")
+    for reply in (wrong, prefix, longer):
+        assert reply.status == 401
+        assert reply.headers["WWW-Authenticate"] == STATZ_CHALLENGE
+
+
+async def test_the_admin_password_opens_statz_whatever_the_username() -> None:
+    async with serve(admin_app(PRODUCTION)) as url:
+        named = await get(url + "/statz", ADMIN, user="someone")
+        anonymous = await get(url + "/statz", ADMIN, user="")
+    assert named.status == 200
+    assert anonymous.status == 200
+    assert "=== os ===" in named.text
+
+
+async def test_the_operator_password_opens_statz_and_profile() -> None:
+    async with serve(admin_app(PRODUCTION)) as url:
+        statz = await get(url + "/statz", OPERATOR)
+        profile = await get(url + "/profile?seconds=1", OPERATOR)
+    assert statz.status == 200
+    assert profile.status == 200
+    assert profile.headers.get_content_type() == "application/octet-stream"
+
+
+async def test_development_mode_without_a_password_is_open_and_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    auth = AdminAuth(None, None, development=True)
+    caplog.set_level(logging.WARNING, logger="app.server.admin")
+    async with serve(admin_app(auth)) as url:
+        first = await get(url + "/statz")
+        second = await get(url + "/statz?format=json")
+    assert first.status == 200
+    assert second.status == 200
+    warnings = [r for r in caplog.records if "admin endpoints are open" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+async def test_without_an_admin_password_outside_development_everything_is_denied() -> None:
+    auth = AdminAuth(None, OPERATOR, development=False)
+    async with serve(admin_app(auth)) as url:
+        bare = await get(url + "/statz")
+        operator = await get(url + "/statz", OPERATOR)
+        empty = await get(url + "/statz", "")
+    assert [bare.status, operator.status, empty.status] == [401, 401, 401]
+    assert check_startup(None, development=False) == STARTUP_ERROR
+    assert check_startup("", development=False) == STARTUP_ERROR
+    assert STARTUP_ERROR == (
+        "ZERO_ADMIN_PASSWORD is required outside development mode (NODE_ENV=development)"
+    )
+
+
+def test_startup_is_allowed_with_a_password_or_in_development() -> None:
+    assert check_startup(ADMIN, development=False) is None
+    assert check_startup(None, development=True) is None
+    assert check_startup(ADMIN, development=True) is None
+
+
+@pytest.mark.parametrize(
+    ("auth", "header", "role", "allowed"),
+    [
+        # Development relaxes only the case of no password at all.
+        (AdminAuth(None, None, True), None, Role.ADMIN, True),
+        (AdminAuth(None, None, True), basic("guess"), Role.OPERATOR, False),
+        (AdminAuth(ADMIN, None, True), None, Role.OPERATOR, False),
+        (AdminAuth(ADMIN, None, True), basic(ADMIN), Role.OPERATOR, True),
+        # The operator password opens read-only endpoints only.
+        (PRODUCTION, basic(OPERATOR), Role.OPERATOR, True),
+        (PRODUCTION, basic(OPERATOR), Role.ADMIN, False),
+        (PRODUCTION, basic(ADMIN), Role.ADMIN, True),
+        (AdminAuth(ADMIN, None, False), basic(""), Role.OPERATOR, False),
+        # The username is ignored; the password may hold colons.
+        (AdminAuth("a:b", None, False), basic("a:b", user="x"), Role.ADMIN, True),
+        # Malformed headers carry no password.
+        (PRODUCTION, "Basic !!!not-base64", Role.OPERATOR, False),
+        (PRODUCTION, "Basic " + base64.b64encode(ADMIN.encode()).decode(), Role.ADMIN, False),
+        (PRODUCTION, f"Bearer {ADMIN}", Role.ADMIN, False),
+        (AdminAuth(None, None, True), "Basic !!!", Role.ADMIN, True),
+        # The scheme is case-insensitive.
+        (PRODUCTION, basic(ADMIN).replace("Basic", "basic"), Role.ADMIN, True),
+    ],
+)
+def test_password_rules(auth: AdminAuth, header: str | None, role: Role, allowed: bool) -> None:
+    assert auth.allows(header, role) is allowed
+
+
+# -- /statz -------------------------------------------------------------------------
+
+
+async def test_statz_text_has_a_section_per_group_with_key_value_lines(
+    service: ChangeStreamerService,
+) -> None:
+    app = admin_app(PRODUCTION, lambda: service_stats(service))
+    async with serve(app) as url:
+        reply = await get(url + "/statz", ADMIN)
+    assert reply.status == 200
+    assert reply.headers.get_content_type() == "text/plain"
+    headings = re.findall(r"^=== (\w+) ===$", reply.text, re.MULTILINE)
+    assert headings == ["changeLog", "replication", "os"]
+    change_log = reply.text.split("=== changeLog ===\n")[1].split("\n\n")[0]
+    assert change_log.splitlines() == ["rows: 2", "minWatermark: 01", "maxWatermark: 01"]
+    assert "\nlastWatermark: 01\n" in reply.text
+    assert '\nsubscribers: {"active":0,"queued":0}\n' in reply.text
+
+
+async def test_statz_json_holds_the_change_streamer_groups(
+    service: ChangeStreamerService,
+) -> None:
+    service.subscribe(
+        SubscriberContext(
+            protocol_version=6,
+            id="vs-1",
+            mode="serving",
+            replica_version=REPLICA_VERSION,
+            watermark=REPLICA_VERSION,
+        )
+    )
+    app = admin_app(PRODUCTION, lambda: service_stats(service))
+    async with serve(app) as url:
+        reply = await get(url + "/statz?format=json", ADMIN)
+    assert reply.status == 200
+    assert reply.headers.get_content_type() == "application/json"
+    assert b"\n" not in reply.body  # compact unless pretty
+    stats = reply.json()
+    assert list(stats) == ["changeLog", "replication", "os"]
+    assert stats["changeLog"] == {"rows": 2, "minWatermark": "01", "maxWatermark": "01"}
+    replication = stats["replication"]
+    assert replication["lastWatermark"] == "01"
+    assert replication["replicaVersion"] == REPLICA_VERSION
+    assert replication["owner"] is None
+    assert replication["taskID"] == "admin-test"
+    assert replication["subscribers"] == {"active": 1, "queued": 0}
+    assert [s["id"] for s in replication["subscriberDetails"]] == ["vs-1"]
+    assert replication["subscriberDetails"][0]["state"] == "active"
+    assert replication["storerQueuedBytes"] == 0
+    assert replication["flowControl"] == {
+        "waits": {"all-subscribers": 0, "consensus-timeout": 0},
+        "waitSeconds": 0,
+    }
+    os_group = stats["os"]
+    assert isinstance(os_group["pid"], int)
+    assert os_group["pythonVersion"].startswith("3.")
+    assert os_group["uptimeSeconds"] >= 0
+    assert os_group["rssBytes"] > 0
+    assert len(os_group["loadAverage"]) == 3
+
+
+async def test_statz_group_filter_takes_comma_lists_and_repeats_and_ignores_unknowns(
+    service: ChangeStreamerService,
+) -> None:
+    app = admin_app(PRODUCTION, lambda: service_stats(service))
+    async with serve(app) as url:
+        comma = await get(url + "/statz?format=json&group=os,changeLog", ADMIN)
+        repeated = await get(url + "/statz?format=json&group=os&group=changeLog", ADMIN)
+        unknown = await get(url + "/statz?format=json&group=nope,os", ADMIN)
+        text = await get(url + "/statz?group=replication", ADMIN)
+    assert list(comma.json()) == ["changeLog", "os"]
+    assert list(repeated.json()) == ["changeLog", "os"]
+    assert list(unknown.json()) == ["os"]
+    assert re.findall(r"^=== (\w+) ===$", text.text, re.MULTILINE) == ["replication"]
+
+
+async def test_statz_pretty_indents_json_by_two_spaces() -> None:
+    async def stats() -> dict[str, dict[str, Any]]:
+        return {"g": {"a": 1, "b": [1, 2]}}
+
+    async with serve(admin_app(PRODUCTION, stats)) as url:
+        pretty = await get(url + "/statz?format=json&pretty", ADMIN)
+        compact = await get(url + "/statz?format=json", ADMIN)
+    assert pretty.text == json.dumps({"g": {"a": 1, "b": [1, 2]}}, indent=2)
+    assert pretty.text.startswith('{\n  "g": {\n    "a": 1')
+    assert compact.text == '{"g":{"a":1,"b":[1,2]}}'
+
+
+async def test_a_failing_group_reports_its_error_and_the_rest_still_answers(
+    service: ChangeStreamerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken_count() -> int:
+        raise RuntimeError("change DB unreachable")
+
+    monkeypatch.setattr(service.change_log, "count", broken_count)
+    app = admin_app(PRODUCTION, lambda: service_stats(service))
+    async with serve(app) as url:
+        reply = await get(url + "/statz?format=json", ADMIN)
+        text = await get(url + "/statz?group=changeLog", ADMIN)
+    assert reply.status == 200
+    stats = reply.json()
+    assert stats["changeLog"] == {"error": "RuntimeError: change DB unreachable"}
+    assert stats["replication"]["lastWatermark"] == "01"
+    assert "pid" in stats["os"]
+    assert text.text == "=== changeLog ===\nerror: RuntimeError: change DB unreachable\n"
+
+
+async def test_without_a_service_the_streamer_groups_report_it_and_os_still_answers() -> None:
+    stats = await service_stats(None)
+    assert stats["changeLog"] == {"error": "RuntimeError: the change streamer is not running"}
+    assert stats["replication"] == {"error": "RuntimeError: the change streamer is not running"}
+    assert "pid" in stats["os"]
+
+
+async def test_statz_answers_500_when_the_stats_source_itself_fails() -> None:
+    async def stats() -> dict[str, dict[str, Any]]:
+        raise RuntimeError("no stats")
+
+    async with serve(admin_app(PRODUCTION, stats)) as url:
+        reply = await get(url + "/statz", ADMIN)
+    assert reply.status == 500
+    assert reply.json() == {"error": "collecting stats failed: RuntimeError: no stats"}
+
+
+def test_text_format_prints_strings_raw_and_everything_else_as_json() -> None:
+    text = render_text({"a": {"s": "x y", "n": 3, "b": True, "z": None}, "b": {"l": [1, "2"]}})
+    assert text == '=== a ===\ns: x y\nn: 3\nb: true\nz: null\n\n=== b ===\nl: [1,"2"]\n'
+
+
+# -- /profile -----------------------------------------------------------------------
+
+
+async def test_profile_returns_a_pstats_attachment_that_loads(tmp_path: Path) -> None:
+    async with serve(admin_app(PRODUCTION)) as url:
+        reply = await get(url + "/profile?seconds=1", ADMIN)
+    assert reply.status == 200
+    assert reply.headers.get_content_type() == "application/octet-stream"
+    disposition = reply.headers["Content-Disposition"]
+    match = re.fullmatch(
+        r'attachment; filename="(changestreamer-\d{8}T\d{6}Z\.pstats)"', disposition
+    )
+    assert match is not None, disposition
+    path = tmp_path / match.group(1)
+    path.write_bytes(reply.body)
+    stats = pstats.Stats(str(path))
+    assert stats.total_calls > 0  # type: ignore[attr-defined]
+    functions = {name for (_file, _line, name) in stats.stats}  # type: ignore[attr-defined]
+    assert "sleep" in functions  # the profiled request itself awaited asyncio.sleep
+
+
+async def test_profile_seconds_must_be_an_integer_from_1_to_60() -> None:
+    bad = ["0", "61", "abc", "1.5", "-1", "", "+5", "5_0", " 5", "100"]
+    async with serve(admin_app(PRODUCTION)) as url:
+        replies = [await get(url + f"/profile?seconds={urllib.parse.quote(s)}", ADMIN) for s in bad]
+    for seconds, reply in zip(bad, replies, strict=True):
+        assert reply.status == 400, seconds
+        assert reply.json() == {"error": "seconds must be an integer from 1 to 60 (default 5)"}
+
+
+async def test_profile_checks_credentials_before_the_query() -> None:
+    async with serve(admin_app(PRODUCTION)) as url:
+        reply = await get(url + "/profile?seconds=0")
+    assert reply.status == 401
+
+
+async def test_a_second_profile_while_one_runs_is_409() -> None:
+    profiler = LoopProfiler()
+    async with serve(admin_app(PRODUCTION, profiler=profiler)) as url:
+        first = asyncio.create_task(get(url + "/profile?seconds=1", ADMIN))
+        for _ in range(1000):  # until the first capture has started
+            if profiler.busy or first.done():
+                break
+            await asyncio.sleep(0.01)
+        assert profiler.busy
+        second = await get(url + "/profile?seconds=1", OPERATOR)
+        done = await first
+    assert second.status == 409
+    assert second.json() == {"error": "a profile is already being captured"}
+    assert done.status == 200
+    assert not profiler.busy

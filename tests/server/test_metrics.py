@@ -1,0 +1,360 @@
+"""/metrics in the Prometheus text format, scraped over loopback from a running streamer."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from app.server.metrics import (
+    ChangeLogRows,
+    MetricFamily,
+    format_value,
+    lag_seconds,
+    metrics_router,
+    render,
+)
+from app.sources.memory import MemoryChangeSource
+from app.storage import (
+    ChangeLog,
+    Replication,
+    Shard,
+    SubscriptionState,
+    create_change_db,
+    migrate,
+    parse_change_db_url,
+)
+from app.streamer.service import ChangeStreamerService, StreamerOptions, SubscriberContext
+
+from .conftest import REPLICA_VERSION, free_port
+
+# -- a real server on loopback -------------------------------------------------
+
+
+@asynccontextmanager
+async def serve(app: FastAPI) -> AsyncIterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    for _ in range(2000):  # up to 20 s
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 20)
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _fetch(url: str) -> tuple[int, str, str]:
+    with _OPENER.open(url, timeout=30) as r:
+        return r.status, r.headers["Content-Type"], r.read().decode()
+
+
+# -- a strict parser of the text format (what a scraper accepts) -------------------
+
+_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"(,|$)')
+
+
+@dataclass
+class Family:
+    help: str | None = None
+    type: str | None = None
+    samples: dict[tuple[tuple[str, str], ...], float] = field(default_factory=dict)
+
+
+def _unescape(text: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), text)
+
+
+def parse(text: str) -> dict[str, Family]:
+    assert text.endswith("\n")
+    families: dict[str, Family] = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, _, doc = line[7:].partition(" ")
+            family = families.setdefault(name, Family())
+            assert family.help is None, f"second HELP: {line}"
+            assert not family.samples, f"HELP after samples: {line}"
+            family.help = _unescape(doc)
+        elif line.startswith("# TYPE "):
+            name, _, kind = line[7:].partition(" ")
+            family = families.setdefault(name, Family())
+            assert family.type is None, f"second TYPE: {line}"
+            assert not family.samples, f"TYPE after samples: {line}"
+            assert kind in ("counter", "gauge"), line
+            family.type = kind
+        else:
+            m = _SAMPLE.fullmatch(line)
+            assert m is not None, f"not a sample line: {line!r}"
+            name, raw_labels, raw_value = m.groups()
+            assert name in families, f"sample before its HELP/TYPE: {line}"
+            labels: list[tuple[str, str]] = []
+            rest = raw_labels or ""
+            while rest:
+                lm = _LABEL.match(rest)
+                assert lm is not None, f"bad labels in {line!r}"
+                labels.append((lm.group(1), _unescape(lm.group(2))))
+                rest = rest[lm.end() :]
+            value = {"+Inf": math.inf, "-Inf": -math.inf, "NaN": math.nan}.get(raw_value)
+            families[name].samples[tuple(labels)] = float(raw_value) if value is None else value
+    return families
+
+
+async def scrape(url: str) -> dict[str, Family]:
+    status, content_type, text = await asyncio.to_thread(_fetch, url + "/metrics")
+    assert status == 200
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    return parse(text)
+
+
+def value(families: dict[str, Family], name: str, **labels: str) -> float:
+    return families[name].samples[tuple(labels.items())]
+
+
+# -- the text format -----------------------------------------------------------------
+
+
+def test_label_values_and_help_are_escaped_and_round_trip() -> None:
+    tricky = 'a "quoted" back\\slash\nnewline'
+    text = render(
+        [
+            MetricFamily("x_total", "counter", "help with \\ and\nnewline").add(3, label=tricky),
+            MetricFamily("y", "gauge", "plain").add(0.25),
+        ]
+    )
+    assert 'x_total{label="a \\"quoted\\" back\\\\slash\\nnewline"} 3\n' in text
+    assert "# HELP x_total help with \\\\ and\\nnewline\n" in text
+    families = parse(text)
+    assert families["x_total"].help == "help with \\ and\nnewline"
+    assert families["x_total"].type == "counter"
+    assert value(families, "x_total", label=tricky) == 3
+    assert value(families, "y") == 0.25
+
+
+def test_values_are_formatted_as_prometheus_numbers() -> None:
+    assert [format_value(v) for v in (3, 2.0, 0.5, 1e-7, math.inf, -math.inf)] == [
+        "3",
+        "2",
+        "0.5",
+        "1e-07",
+        "+Inf",
+        "-Inf",
+    ]
+    assert format_value(math.nan) == "NaN"
+
+
+def test_lag_is_measured_from_the_commit_time_of_the_newest_report() -> None:
+    report = {
+        "lastTimings": {"sendTimeMs": 1000, "commitTimeMs": 1500, "receiveTimeMs": 1600},
+        "nextSendTimeMs": 31000,
+    }
+    assert lag_seconds(report, 4.0) == 2.5
+    assert lag_seconds({"nextSendTimeMs": 31000}, 4.0) is None  # the initial report
+    assert lag_seconds(None, 4.0) is None
+
+
+# -- a running streamer ---------------------------------------------------------------
+
+
+@dataclass
+class Running:
+    service: ChangeStreamerService
+    source: MemoryChangeSource
+    url: str
+    wall: list[float]
+
+
+def txn(w: str, n: int) -> list[list[Any]]:
+    rows: list[list[Any]] = [
+        [
+            "data",
+            {
+                "tag": "insert",
+                "relation": {"schema": "public", "name": "t", "rowKey": {"columns": ["id"]}},
+                "new": {"id": i},
+            },
+        ]
+        for i in range(n)
+    ]
+    return [
+        ["begin", {"tag": "begin"}, {"commitWatermark": w}],
+        *rows,
+        ["commit", {"tag": "commit"}, {"watermark": w}],
+    ]
+
+
+@pytest.fixture
+async def running(tmp_path: Path) -> AsyncIterator[Running]:
+    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
+    await migrate(db)
+    await Replication(db).ensure_config(
+        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
+    )
+    source = MemoryChangeSource()
+    service = ChangeStreamerService(
+        db=db,
+        source=source,
+        task_id="metrics-test",
+        address=None,
+        replica_version=REPLICA_VERSION,
+        durable_watermark=REPLICA_VERSION,
+        options=StreamerOptions(backoff_initial_s=0.01, backoff_max_s=0.05),
+    )
+    wall = [1_700_000_000.0]
+    app = FastAPI()
+    app.include_router(
+        metrics_router(lambda: service, change_log_rows_ttl_s=0, wall_clock=lambda: wall[0])
+    )
+    runner = asyncio.create_task(service.run())
+    try:
+        async with serve(app) as url:
+            yield Running(service, source, url, wall)
+    finally:
+        await service.stop()
+        await asyncio.wait_for(runner, 20)
+        await db.dispose()
+
+
+EXPECTED = {
+    "changestreamer_running": "gauge",
+    "changestreamer_subscribers": "gauge",
+    "changestreamer_subscriber_backlog_bytes": "gauge",
+    "changestreamer_subscriber_max_backlog_bytes": "gauge",
+    "changestreamer_subscriber_pending_messages": "gauge",
+    "changestreamer_storer_queued_bytes": "gauge",
+    "changestreamer_flow_control_waits_total": "counter",
+    "changestreamer_flow_control_wait_seconds_total": "counter",
+    "changestreamer_transactions_total": "counter",
+    "changestreamer_changes_total": "counter",
+    "changestreamer_change_log_rows": "gauge",
+}
+
+
+async def test_metrics_have_help_and_type_and_move_with_the_stream(running: Running) -> None:
+    stream = await asyncio.wait_for(running.source.wait_for_stream(), 10)
+    before = await scrape(running.url)
+    assert {name: f.type for name, f in before.items()} == EXPECTED  # no lag report yet
+    assert all(f.help for f in before.values())
+    assert value(before, "changestreamer_running") == 1
+    assert value(before, "changestreamer_subscribers", state="active") == 0
+    assert value(before, "changestreamer_subscribers", state="queued") == 0
+    assert value(before, "changestreamer_flow_control_waits_total", mode="all-subscribers") == 0
+    assert value(before, "changestreamer_flow_control_waits_total", mode="consensus-timeout") == 0
+    assert value(before, "changestreamer_transactions_total") == 0
+    assert value(before, "changestreamer_changes_total") == 0
+    assert value(before, "changestreamer_change_log_rows") == 2  # the replica version's seed
+
+    running.service.subscribe(
+        SubscriberContext(
+            protocol_version=6,
+            id="vs-1",
+            mode="serving",
+            replica_version=REPLICA_VERSION,
+            watermark=REPLICA_VERSION,
+        )
+    )
+    stream.push_all(txn("02", 3))
+    await asyncio.wait_for(running.service.storer.wait_durable("02"), 10)
+
+    after = await scrape(running.url)
+    assert value(after, "changestreamer_subscribers", state="active") == 1
+    assert value(after, "changestreamer_transactions_total") == 1
+    assert value(after, "changestreamer_changes_total") == 3
+    assert value(after, "changestreamer_change_log_rows") == 2 + 5  # begin, 3 inserts, commit
+    assert value(after, "changestreamer_storer_queued_bytes") == 0
+    # Nobody consumes the subscriber's stream: its messages stay pending.
+    assert value(after, "changestreamer_subscriber_pending_messages") > 0
+
+
+async def test_lag_appears_once_a_lag_report_with_timings_arrived(running: Running) -> None:
+    stream = await asyncio.wait_for(running.source.wait_for_stream(), 10)
+    assert "changestreamer_lag_seconds" not in await scrape(running.url)
+    report = {
+        "lastTimings": {
+            "sendTimeMs": 1_699_999_990_000,
+            "commitTimeMs": 1_699_999_995_000,
+            "receiveTimeMs": 1_699_999_996_000,
+        },
+        "nextSendTimeMs": 1_700_000_020_000,
+    }
+    stream.push_all(
+        [*txn("02", 1), ["status", {"ack": False, "lagReport": report}, {"watermark": "02"}]]
+    )
+    await asyncio.wait_for(running.service.storer.wait_durable("02"), 10)
+    for _ in range(500):  # the status follows the commit through the same loop
+        families = await scrape(running.url)
+        if "changestreamer_lag_seconds" in families:
+            break
+        await asyncio.sleep(0.01)
+    assert families["changestreamer_lag_seconds"].type == "gauge"
+    assert value(families, "changestreamer_lag_seconds") == 5.0
+    running.wall[0] += 7
+    assert value(await scrape(running.url), "changestreamer_lag_seconds") == 12.0
+
+
+async def test_without_a_service_only_running_zero_is_exposed() -> None:
+    app = FastAPI()
+    app.include_router(metrics_router(lambda: None))
+    async with serve(app) as url:
+        families = await scrape(url)
+    assert list(families) == ["changestreamer_running"]
+    assert value(families, "changestreamer_running") == 0
+
+
+# -- the change-log row count is cheap ---------------------------------------------
+
+
+class CountingLog:
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.queries = 0
+        self.error: Exception | None = None
+
+    async def count(self) -> int:
+        self.queries += 1
+        if self.error is not None:
+            raise self.error
+        return self.rows
+
+
+async def test_the_row_count_is_reused_within_its_ttl_and_recounted_after() -> None:
+    now = [100.0]
+    rows = ChangeLogRows(ttl_s=30, timeout_s=5, clock=lambda: now[0])
+    log = CountingLog(10)
+    change_log = cast(ChangeLog, log)
+    assert await rows.get(change_log) == 10
+    log.rows = 11
+    now[0] += 29.9
+    assert await rows.get(change_log) == 10
+    assert log.queries == 1
+    now[0] += 0.1
+    assert await rows.get(change_log) == 11
+    assert log.queries == 2
+
+
+async def test_a_failing_row_count_leaves_the_sample_out(caplog: pytest.LogCaptureFixture) -> None:
+    rows = ChangeLogRows(ttl_s=0, timeout_s=5)
+    log = CountingLog(10)
+    log.error = RuntimeError("db down")
+    assert await rows.get(cast(ChangeLog, log)) is None
+    assert "db down" in caplog.text
+    log.error = None
+    assert await rows.get(cast(ChangeLog, log)) == 10
