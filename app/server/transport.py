@@ -36,6 +36,7 @@ PROTOCOL_ERROR = 1002
 NORMAL_CLOSURE = 1000
 MAX_REASON_BYTES = 123
 MAX_BATCH = 64
+SENDER_GRACE_S = 1.0
 
 
 def close_reason(message: str) -> str:
@@ -160,7 +161,13 @@ async def run_until_done(
                 log.warning("stream %s ended with an error: %r", name, error)
     finally:
         on_end("connection ended")
-        for task in tasks:
+        # Let a sender finish the frame it is writing (closing its channel makes
+        # it stop after that): cancelling a send half way leaves the server's
+        # side of the close handshake hanging until the client times out.
+        pending = {t for t in tasks if not t.done()}
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=SENDER_GRACE_S)
+        for task in pending:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(BaseException):

@@ -1,0 +1,136 @@
+"""Bad input and bad clients: the server keeps serving everyone else and loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from app.protocol.canonical_json import loads
+from app.protocol.lexi import to_lexi
+
+from .conftest import Server, start_server
+from .test_replication_ws import QUERY, txn
+
+
+async def follow(ws: ClientConnection, until: str) -> list[str]:
+    """Reads and acks until the commit ``until``; returns the commit watermarks seen."""
+    commits: list[str] = []
+    while True:
+        frame = loads(await asyncio.wait_for(ws.recv(), 20))
+        await ws.send(f'{{"ack":{frame["id"]}}}')
+        msg = frame["msg"]
+        if msg[0] == "error":
+            raise AssertionError(f"unexpected error: {msg}")
+        if msg[0] == "commit":
+            commits.append(msg[2]["watermark"])
+            if msg[2]["watermark"] == until:
+                return commits
+
+
+# The server closes while the client is still writing the frame, so the client's
+# transport reports a connection reset from a callback: expected here.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_an_oversized_frame_closes_only_that_connection(server: Server) -> None:
+    async with (
+        connect(f"{server.url}/replication/v6/changes?{QUERY}") as good,
+        connect(
+            f"{server.url}/replication/v6/changes?{QUERY.replace('-1', '-2')}", max_size=None
+        ) as big,
+    ):
+        await good.recv()
+        await big.recv()
+        with pytest.raises(ConnectionClosed) as e:
+            await big.send("x" * (17 * 1024 * 1024))  # uvicorn's limit is 16 MiB
+            await asyncio.wait_for(big.recv(), 20)
+        assert e.value.rcvd is not None
+        assert e.value.rcvd.code == 1009  # message too big
+        await good.send('{"ack":1}')
+        stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+        stream.push_all(txn("02"))
+        assert await follow(good, "02") == ["02"]
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_others_continue(tmp_path: Path) -> None:
+    # Three subscribers: with two, "majority" is both, and flow control would wait
+    # for the stuck one until its pings time out (as in the reference).
+    async for server in start_server(tmp_path, max_unconsumed_bytes=192 * 1024):
+        base = f"{server.url}/replication/v6/changes?replicaVersion=01&watermark=01"
+        async with (
+            connect(f"{base}&id=good-1") as good1,
+            connect(f"{base}&id=good-2") as good2,
+            connect(f"{base}&id=stuck", max_queue=1) as stuck,
+        ):
+            for ws in (good1, good2):
+                await ws.recv()
+                await ws.send('{"ack":1}')
+            stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+            final = to_lexi(2 + 149)
+            for n in range(2, 2 + 150):
+                stream.push_all(txn(to_lexi(n), 20))
+            # The stuck client never reads or acks; the healthy ones get everything.
+            expected = [to_lexi(n) for n in range(2, 2 + 150)]
+            results = await asyncio.gather(follow(good1, final), follow(good2, final))
+            assert results == [expected, expected]
+            for _ in range(200):
+                if len(server.service.forwarder.active) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert {s.id for s in server.service.forwarder.active} == {"good-1", "good-2"}
+            del stuck
+
+
+async def test_200_subscribers_churning_do_not_disturb_a_steady_one(server: Server) -> None:
+    rng = random.Random(7)
+    async with connect(f"{server.url}/replication/v6/changes?{QUERY}") as steady:
+        await steady.recv()
+        await steady.send('{"ack":1}')
+        stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+        steady_commits = asyncio.create_task(follow(steady, to_lexi(41)))
+
+        async def churn(i: int) -> None:
+            url = f"{server.url}/replication/v6/changes?id=churn-{i}&replicaVersion=01&watermark=01"
+            # max_queue=None: a client that stops reading with a full queue would
+            # not see the server's close frame and wait out its close timeout.
+            async with connect(url, max_queue=None) as ws:
+                for _ in range(rng.randint(0, 3)):
+                    frame = loads(await asyncio.wait_for(ws.recv(), 20))
+                    await ws.send(f'{{"ack":{frame["id"]}}}')
+
+        async def produce() -> None:
+            for n in range(2, 42):
+                stream.push_all(txn(to_lexi(n), 3))
+                await asyncio.sleep(0.005)
+
+        producer = asyncio.create_task(produce())
+        for batch in range(10):
+            await asyncio.gather(*(churn(batch * 20 + i) for i in range(20)))
+        await producer
+        assert await steady_commits == [to_lexi(n) for n in range(2, 42)]
+    for _ in range(200):
+        if not server.service.forwarder.active and not server.service.forwarder.queued:
+            break
+        await asyncio.sleep(0.05)
+    assert not server.service.forwarder.active
+    assert not server.service.forwarder.queued
+
+
+@pytest.mark.parametrize("frame", ['{"ack":1}', '{"ack":3}'])
+async def test_a_duplicate_or_skipping_ack_closes_the_stream(server: Server, frame: str) -> None:
+    async with connect(f"{server.url}/replication/v6/changes?{QUERY}") as ws:
+        await ws.recv()
+        await ws.send('{"ack":1}')
+        stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+        stream.push_all(txn("02"))
+        await ws.recv()
+        await ws.send(frame)  # a duplicate of 1, or 3 before 2
+        with pytest.raises(ConnectionClosed) as e:
+            while True:
+                await asyncio.wait_for(ws.recv(), 10)
+        assert e.value.rcvd is not None
+        assert e.value.rcvd.code == 1002
+        assert "unexpected ack" in e.value.rcvd.reason
