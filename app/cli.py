@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 import sys
 import uuid
 from collections.abc import Sequence
@@ -122,7 +123,9 @@ def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | No
             server.should_exit = True
 
     async def build_service() -> ChangeStreamerService:
-        return await demo_service(settings, db, address=f"{listen_host}:{listen_port}")
+        return await demo_service(
+            settings, db, address=discovery_address(settings, listen_host, listen_port)
+        )
 
     app = create_app(
         db,
@@ -148,6 +151,23 @@ def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | No
     server = uvicorn.Server(config)
     server.run()
     return 0
+
+
+def discovery_address(settings: Settings, host: str, port: int) -> str:
+    """The address written to ``replicationState.ownerAddress`` for view-syncers.
+
+    ``ZERO_CHANGE_STREAMER_ADDRESS`` if set; else the listen address, with a
+    wildcard listen address replaced by this host's IP (a wildcard is not a place
+    to connect to).
+    """
+    if settings.change_streamer_address:
+        return settings.change_streamer_address
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+    return f"{host}:{port}"
 
 
 async def demo_service(settings: Settings, db: ChangeDb, *, address: str) -> ChangeStreamerService:

@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     change_streamer_host: str = Field(
         "127.0.0.1", validation_alias=AliasChoices("ZERO_CHANGE_STREAMER_HOST")
     )
+    change_streamer_address: str | None = Field(
+        None, validation_alias=AliasChoices("ZERO_CHANGE_STREAMER_ADDRESS")
+    )
     log_level: str = Field("info", validation_alias=AliasChoices("ZERO_LOG_LEVEL"))
     upstream_db: str | None = Field(None, validation_alias=AliasChoices("ZERO_UPSTREAM_DB"))
     task_id: str | None = Field(None, validation_alias=AliasChoices("ZERO_TASK_ID"))

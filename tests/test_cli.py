@@ -145,3 +145,18 @@ def test_serve_refuses_to_start_without_an_admin_password_outside_development(
         "changestreamer: ZERO_ADMIN_PASSWORD is required outside development mode "
         "(NODE_ENV=development)"
     ]
+
+
+def test_the_discovery_address_is_never_a_wildcard(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from app.cli import discovery_address
+
+    monkeypatch.chdir(tmp_path)
+    settings = load_settings()
+    assert discovery_address(settings, "127.0.0.1", 4849) == "127.0.0.1:4849"
+    wildcard = discovery_address(settings, "0.0.0.0", 4849)
+    assert not wildcard.startswith("0.0.0.0")
+    assert wildcard.endswith(":4849")
+    monkeypatch.setenv("ZERO_CHANGE_STREAMER_ADDRESS", "cs.internal:9000")
+    assert discovery_address(load_settings(), "0.0.0.0", 4849) == "cs.internal:9000"
