@@ -16,6 +16,10 @@ Scenarios:
   stored and delivered to every subscriber, and messages/s delivered in total.
 * ``latency`` — one subscriber, the source paced at ``--rate`` changes/s; p50 and
   p99 of commit-received-by-subscriber minus commit-handed-to-the-service.
+* ``ws`` — the same over real websockets: the service behind uvicorn on loopback,
+  K = 1, 4, 16 subscribers in a separate process (``bench.ws_subscribers``), with
+  one message per frame (v6) and with v7 batch frames; reports changes/s stored
+  and delivered to all, and frames/s in total.
 * ``stall`` — 8 subscribers, as fast as possible, once all healthy and once with
   one that never acks; reports the healthy subscribers' rate in both runs.
 """
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -89,14 +95,18 @@ class ListStream(ChangeStream):
         *,
         rate: float | None,
         sent_at: dict[str, float],
+        gate: asyncio.Event | None = None,
     ) -> None:
         self._txs = txs
         self._rate = rate
         self._sent_at = sent_at
+        self._gate = gate
         self._closed = False
         self._closed_event = asyncio.Event()
 
     async def _gen(self) -> AsyncIterator[ChangeSourceMessage]:
+        if self._gate is not None:
+            await self._gate.wait()
         start = time.perf_counter()
         changes = 0
         for i, (w, msgs) in enumerate(self._txs):
@@ -218,9 +228,91 @@ async def run(
     }
 
 
+async def run_ws(
+    txs: list[tuple[str, list[ChangeSourceMessage]]], subscribers: int, *, batched: bool
+) -> dict[str, float]:
+    """The service behind uvicorn; K websocket subscribers in a child process."""
+    import socket
+
+    import uvicorn
+
+    from app.server.app import create_app
+
+    with tempfile.TemporaryDirectory() as tmp:
+        db = create_change_db(parse_change_db_url(str(Path(tmp) / "cdc.db")), Shard())
+        await migrate(db)
+        await Replication(db).ensure_config(
+            SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
+        )
+        gate = asyncio.Event()
+        stream = ListStream(txs, rate=None, sent_at={}, gate=gate)
+        service = ChangeStreamerService(
+            db=db,
+            source=ListSource(stream),
+            task_id="bench",
+            address=None,
+            replica_version=REPLICA_VERSION,
+            durable_watermark=REPLICA_VERSION,
+        )
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(db, service, startup_delay_s=0),
+                host="127.0.0.1",
+                port=port,
+                log_level="warning",
+                ws_per_message_deflate=False,
+                ws="websockets-sansio",
+            )
+        )
+        serving = asyncio.create_task(server.serve())
+        for _ in range(3000):  # up to 30 s
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        version = 7 if batched else 6
+        url = (
+            f"ws://127.0.0.1:{port}/replication/v{version}/changes?"
+            f"replicaVersion={REPLICA_VERSION}&watermark={REPLICA_VERSION}"
+            + ("&wsBatched=true" if batched else "")
+        )
+        final = txs[-1][0]
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "bench.ws_subscribers",
+            url,
+            str(subscribers),
+            final,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        forwarder = service.forwarder
+        for _ in range(6000):  # up to 60 s for the child's connections
+            if len(forwarder.active) + len(forwarder.queued) >= subscribers:
+                break
+            await asyncio.sleep(0.01)
+        start = time.perf_counter()
+        gate.set()
+        out, _ = await child.communicate()
+        delivered_s = time.perf_counter() - start
+        await service.storer.wait_durable(final)
+        stored_s = time.perf_counter() - start
+        server.should_exit = True
+        await serving
+        await db.dispose()
+    result = json.loads(out)
+    changes = len(txs) * ROWS_PER_TX
+    return {
+        "changes/s": changes / max(delivered_s, stored_s),
+        "frames/s": result["frames"] / delivered_s,
+    }
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scenarios", default="throughput,latency,stall")
+    parser.add_argument("--scenarios", default="throughput,ws,latency,stall")
     parser.add_argument("--changes", type=int, default=100_000)
     parser.add_argument("--rate", type=float, default=10_000.0)
     parser.add_argument("--latency-seconds", type=float, default=10.0)
@@ -234,6 +326,15 @@ async def main() -> None:
             r = await run(txs, k)
             rate, delivered = r["changes/s"], r["messages/s delivered"]
             print(f"{k:>3} {rate:>30,.0f} {delivered:>22,.0f}", flush=True)
+    if "ws" in scenarios:
+        print(f"{'K':>3} {'frames':>8} {'changes/s (stored+delivered)':>30} {'frames/s':>10}")
+        for k in (1, 4, 16):
+            for batched in (False, True):
+                r = await run_ws(txs, k, batched=batched)
+                kind = "batch" if batched else "msg"
+                print(
+                    f"{k:>3} {kind:>8} {r['changes/s']:>30,.0f} {r['frames/s']:>10,.0f}", flush=True
+                )
     if "latency" in scenarios:
         n = int(args.rate * args.latency_seconds) // ROWS_PER_TX
         r = await run(build_transactions(n), 1, rate=args.rate)
@@ -255,4 +356,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    # uvloop, as `changestreamer serve` gets it from uvicorn.
+    import uvloop
+
+    uvloop.run(main())
