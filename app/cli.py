@@ -141,6 +141,8 @@ def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | No
         host=listen_host,
         port=listen_port,
         ws_per_message_deflate=False,
+        # The sans-I/O websockets implementation (measured with bench.fanout --scenarios ws).
+        ws="websockets-sansio",
         # Pings at most every 30 s (zero's clients drop a silent socket after 33 s);
         # a generous pong timeout, since a busy replica may answer late.
         ws_ping_interval=20,

@@ -1,12 +1,14 @@
-"""A Python client of the change-streamer (protocol v6), plus the ``tail``/``status`` commands.
+"""A Python change-streamer client (protocol v6; v7 on request) and ``tail``/``status``.
 
 Modules, one idea each:
 
 * :mod:`~app.client.client` — :class:`ChangeStreamerClient` (subscribe, resume,
-  reserve_snapshot, probe_replica_version);
+  reserve_snapshot, connect, probe_replica_version);
 * :mod:`~app.client.subscription` — one ``/changes`` connection, acks, errors;
 * :mod:`~app.client.resume` — reconnecting subscription with backoff;
 * :mod:`~app.client.reservation` — ``/snapshot`` reservations and their followup;
+* :mod:`~app.client.v7` — protocol v7: the one ``/subscribe`` socket (connect,
+  reserve, then subscribe on the same socket);
 * :mod:`~app.client.channel` — the websocket: envelopes, acks, liveness, closes;
 * :mod:`~app.client.discovery` — the streamer's address from the change DB;
 * :mod:`~app.client.errors` — the exceptions;
@@ -29,11 +31,12 @@ from app.client.errors import (
     WatermarkTooOldError,
     WrongReplicaVersionError,
 )
-from app.client.reservation import ReservationFollowup, SnapshotStatus
+from app.client.reservation import ReservationFollowup, SnapshotFollowup, SnapshotStatus
 from app.client.resume import ReconnectPolicy, ResumingSubscription
 from app.client.status import add_status_arguments, run_status, status
 from app.client.subscription import Subscription, SubscriptionContext, SubscriptionMessage
 from app.client.tail import add_tail_arguments, run_tail, tail
+from app.client.v7 import V7Connection, V7Message, V7ReservationFollowup
 
 __all__ = [
     "ChangeStreamerClient",
@@ -48,11 +51,15 @@ __all__ = [
     "ReconnectPolicy",
     "ReservationFollowup",
     "ResumingSubscription",
+    "SnapshotFollowup",
     "SnapshotStatus",
     "StreamTooFarBehindError",
     "Subscription",
     "SubscriptionContext",
     "SubscriptionMessage",
+    "V7Connection",
+    "V7Message",
+    "V7ReservationFollowup",
     "WatermarkTooOldError",
     "WrongReplicaVersionError",
     "add_status_arguments",

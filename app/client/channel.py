@@ -148,16 +148,20 @@ class Channel:
         """True once :meth:`close` was called."""
         return self._closing
 
-    async def receive(self) -> Envelope:
-        """The next envelope; :class:`ChannelEnded` when the socket is gone.
-
-        A frame that is not a valid envelope closes the socket and ends the
-        channel with :class:`InvalidMessageError`.
-        """
+    async def receive_frame(self) -> str | bytes:
+        """The next frame as received (no parsing); :class:`ChannelEnded` when gone."""
         try:
-            data = await self._ws.recv()
+            return await self._ws.recv()
         except ConnectionClosed as e:
             raise classify_close(e, liveness_expired=self._liveness_expired) from None
+
+    async def receive(self) -> Envelope:
+        """The next v6 envelope; :class:`ChannelEnded` when the socket is gone.
+
+        A frame that is not a valid envelope (or is a batch) closes the socket
+        and ends the channel with :class:`InvalidMessageError`.
+        """
+        data = await self.receive_frame()
         try:
             envelope = parse_envelope(data)
         except EnvelopeError as e:
@@ -172,8 +176,12 @@ class Channel:
 
     async def ack(self, id: int) -> bool:
         """Sends ``{"ack":id}``; False if the socket is already closed."""
+        return await self.send_text(ack_frame(id))
+
+    async def send_text(self, text: str) -> bool:
+        """Sends one text frame; False if the socket is already closed."""
         try:
-            await self._ws.send(ack_frame(id))
+            await self._ws.send(text)
         except ConnectionClosed:
             return False
         return True

@@ -6,6 +6,13 @@ path and query and talks to ``/replication/v{N}/changes`` and
 ``/replication/v{N}/snapshot`` at the root. No authentication: the endpoint
 has none (wire.md §0).
 
+With ``protocol_version=7`` (or above), ``subscribe`` and ``reserve_snapshot``
+use the merged ``/replication/v7/subscribe`` socket instead (:mod:`app.client.v7`):
+the same calls, the same :class:`Subscription`, but one socket carries the
+reservation and then the subscription. :meth:`ChangeStreamerClient.connect`
+opens such a socket directly, whatever ``protocol_version`` is. The default is
+still v6, which is what zero 1.9.0 speaks.
+
 Usage::
 
     client = ChangeStreamerClient("ws://127.0.0.1:4849")
@@ -26,15 +33,23 @@ from app.client.channel import (
     ChannelOptions,
 )
 from app.client.errors import ClientError, WrongReplicaVersionError
-from app.client.reservation import ReservationFollowup, SnapshotStatus, receive_snapshot_status
+from app.client.reservation import (
+    ReservationFollowup,
+    SnapshotFollowup,
+    SnapshotStatus,
+    receive_snapshot_status,
+)
 from app.client.resume import ReconnectPolicy, ResumingSubscription
 from app.client.subscription import Subscription, SubscriptionContext
 from app.client.urls import BaseURL, parse_base_url
+from app.client.v7 import V7Connection, reserve_on, subscribe_on
 
-__all__ = ["PROBE_REPLICA_VERSION", "ChangeStreamerClient"]
+__all__ = ["PROBE_REPLICA_VERSION", "SUBSCRIBE_PROTOCOL_VERSION", "ChangeStreamerClient"]
 
 # A valid LexiVersion ("0"), used as the replica version of a probe subscription.
 PROBE_REPLICA_VERSION: Final = "00"
+# The first protocol version with the merged /subscribe endpoint.
+SUBSCRIBE_PROTOCOL_VERSION: Final = 7
 
 _CURRENT_VERSION = re.compile(r"current replica version is (\S+) \(requested ")
 
@@ -71,13 +86,40 @@ class ChangeStreamerClient:
             f"/replication/v{self.protocol_version}/snapshot", {"taskID": task_id}
         )
 
+    def subscribe_url(self, task_id: str = "") -> str:
+        """``/replication/v{N}/subscribe`` with N = ``protocol_version``, at least 7."""
+        version = max(self.protocol_version, SUBSCRIBE_PROTOCOL_VERSION)
+        query = {"taskID": task_id} if task_id else None
+        return self.base.websocket(f"/replication/v{version}/subscribe", query)
+
+    @property
+    def uses_subscribe(self) -> bool:
+        """True if ``subscribe``/``reserve_snapshot`` use the merged v7 socket."""
+        return self.protocol_version >= SUBSCRIBE_PROTOCOL_VERSION
+
+    async def connect(self, task_id: str) -> V7Connection:
+        """Opens a ``/subscribe`` socket (protocol v7; see :mod:`app.client.v7`).
+
+        ``task_id`` goes in the query, where it is informational. The messages
+        sent on the connection carry the authoritative task ID. Raises
+        :class:`~app.client.errors.ConnectFailedError` if the socket cannot be
+        opened.
+        """
+        channel = await Channel.open(self.subscribe_url(task_id), self.options)
+        return V7Connection(channel, task_id or None)
+
     async def subscribe(self, ctx: SubscriptionContext) -> Subscription:
         """Opens one subscription connection (see :mod:`app.client.subscription`).
 
+        v6: ``/changes`` with the context in the query. v7: ``/subscribe``,
+        then ``start-subscription`` (taskID ``ctx.task_id``, else ``ctx.id``).
         Raises :class:`~app.client.errors.ConnectFailedError` if the socket
-        cannot be opened; request errors (1002) and in-band errors surface on
+        cannot be opened. Request errors (1002) and in-band errors surface on
         the first ``__anext__``.
         """
+        if self.uses_subscribe:
+            connection = await self.connect(ctx.task_id or ctx.id)
+            return await subscribe_on(connection, ctx)
         channel = await Channel.open(self.changes_url(ctx), self.options)
         return Subscription(channel, ctx)
 
@@ -87,15 +129,23 @@ class ChangeStreamerClient:
         """A subscription that reconnects after drops (see :mod:`app.client.resume`)."""
         return ResumingSubscription(self.subscribe, ctx, policy)
 
-    async def reserve_snapshot(self, task_id: str) -> tuple[SnapshotStatus, ReservationFollowup]:
+    async def reserve_snapshot(self, task_id: str) -> tuple[SnapshotStatus, SnapshotFollowup]:
         """Reserves a snapshot for ``task_id`` (see :mod:`app.client.reservation`).
 
         Waits for the status, which the server may withhold until it has a
         restorable backup (the liveness check keeps running meanwhile).
         A server without backups closes with 1002 → ``ProtocolError``.
+
+        v6: a ``/snapshot`` socket. The followup is a :class:`ReservationFollowup`
+        whose ``subscribe`` opens ``/changes``. v7: ``reserve-snapshot`` on a
+        ``/subscribe`` socket, then ``reserved``. The followup is a
+        :class:`~app.client.v7.V7ReservationFollowup` whose ``subscribe`` goes
+        on over the same socket.
         """
         if not task_id:
             raise ValueError("a snapshot reservation needs a task ID")
+        if self.uses_subscribe:
+            return await reserve_on(await self.connect(task_id), task_id)
         channel = await Channel.open(self.snapshot_url(task_id), self.options)
         try:
             status = await receive_snapshot_status(channel)

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from app.client.channel import Channel, ChannelEnded
 from app.client.errors import ClientError, ConnectionLostError, InvalidMessageError
@@ -36,7 +36,13 @@ from app.client.subscription import Subscription, SubscriptionContext
 from app.protocol.downstream import DownstreamStatus, parse_downstream_message
 from app.protocol.messages import MessageValidationError
 
-__all__ = ["ReservationFollowup", "SnapshotStatus", "receive_snapshot_status"]
+__all__ = [
+    "ReservationFollowup",
+    "SnapshotFollowup",
+    "SnapshotStatus",
+    "receive_snapshot_status",
+    "snapshot_status_from_body",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +59,15 @@ class SnapshotStatus:
     body: dict[str, Any]
 
 
-def _snapshot_status(message: object) -> SnapshotStatus:
-    if not isinstance(message, DownstreamStatus):
-        kind = getattr(message, "kind", type(message).__name__)
-        raise InvalidMessageError(f"expected a snapshot status message, got {kind!r}")
-    body = message.body
+def snapshot_status_from_body(body: Any, what: str = "snapshot status") -> SnapshotStatus:
+    """A :class:`SnapshotStatus` from a status body (v6 ``status``, v7 ``reserved``)."""
+    if not isinstance(body, dict):
+        raise InvalidMessageError(f"{what}: the body must be an object")
     fields = {}
     for key in ("backupURL", "replicaVersion", "minWatermark"):
         value = body.get(key)
         if not isinstance(value, str):
-            raise InvalidMessageError(f"snapshot status: field {key!r} must be a string")
+            raise InvalidMessageError(f"{what}: field {key!r} must be a string")
         fields[key] = value
     return SnapshotStatus(
         backup_url=fields["backupURL"],
@@ -70,6 +75,13 @@ def _snapshot_status(message: object) -> SnapshotStatus:
         min_watermark=fields["minWatermark"],
         body=body,
     )
+
+
+def _snapshot_status(message: object) -> SnapshotStatus:
+    if not isinstance(message, DownstreamStatus):
+        kind = getattr(message, "kind", type(message).__name__)
+        raise InvalidMessageError(f"expected a snapshot status message, got {kind!r}")
+    return snapshot_status_from_body(message.body)
 
 
 async def receive_snapshot_status(channel: Channel) -> SnapshotStatus:
@@ -92,6 +104,27 @@ async def receive_snapshot_status(channel: Channel) -> SnapshotStatus:
         raise
     await channel.ack(envelope.id)
     return status
+
+
+class SnapshotFollowup(Protocol):
+    """What :meth:`ChangeStreamerClient.reserve_snapshot` returns with the status.
+
+    :class:`ReservationFollowup` (v6) and
+    :class:`~app.client.v7.V7ReservationFollowup` (v7) both have this shape.
+    """
+
+    task_id: str
+    closed: asyncio.Event
+    close_error: ClientError | None
+
+    @property
+    def aborted(self) -> bool: ...
+
+    async def subscribe(self, ctx: SubscriptionContext) -> Subscription: ...
+
+    async def cancel(self) -> None: ...
+
+    async def wait_closed(self) -> None: ...
 
 
 class ReservationFollowup:

@@ -13,6 +13,10 @@ message *N+1*, i.e. after it has processed *N*. The server's acked watermark
 the subscription does not ack the message the caller last received: the
 server forgets the subscriber on disconnect, so that ack would change nothing.
 
+The same class serves protocol v7 (:mod:`app.client.v7`): there the messages
+come from a :class:`~app.client.v7.V7Connection`, which flattens batch frames
+and acks a frame once every message of it was consumed — the same rule.
+
 How the iteration ends:
 
 * an in-band ``error`` message is acked (the server waits for that ack before
@@ -29,14 +33,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal, Self
+from typing import Any, Literal, Protocol, Self
 
 from app.client.channel import Channel, ChannelEnded
 from app.client.errors import InvalidMessageError, error_from_message
 from app.protocol.downstream import DownstreamError, DownstreamStatus, parse_downstream_message
 from app.protocol.messages import Begin, Commit, Data, MessageValidationError, Rollback
 
-__all__ = ["Mode", "Subscription", "SubscriptionContext", "SubscriptionMessage"]
+__all__ = ["MessageSource", "Mode", "Subscription", "SubscriptionContext", "SubscriptionMessage"]
 
 Mode = Literal["serving", "backup"]
 
@@ -73,18 +77,66 @@ class SubscriptionContext:
         }
 
 
-class Subscription:
-    """The messages of one subscription connection; see the module docstring."""
+class MessageSource(Protocol):
+    """Where a :class:`Subscription` reads its messages from.
 
-    def __init__(self, channel: Channel, ctx: SubscriptionContext) -> None:
-        self.ctx = ctx
+    ``next_message`` returns the next decoded message and first acks whatever
+    the caller has finished with (the framing's rule); it raises
+    :class:`~app.client.channel.ChannelEnded` once the socket is gone.
+    ``ack_received`` acks the frame of the last returned message right away.
+    """
+
+    @property
+    def url(self) -> str: ...
+
+    async def next_message(self) -> Any: ...
+
+    async def ack_received(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class _ChannelMessages:
+    """A v6 channel as a :class:`MessageSource`: one message per frame."""
+
+    def __init__(self, channel: Channel) -> None:
         self._channel = channel
         self._pending_ack: int | None = None
-        self._done = False
 
     @property
     def url(self) -> str:
         return self._channel.url
+
+    async def next_message(self) -> Any:
+        # The caller is done with the previous message: that is its ack.
+        await self.ack_received()
+        envelope = await self._channel.receive()
+        self._pending_ack = envelope.id
+        return envelope.messages[0]
+
+    async def ack_received(self) -> None:
+        if self._pending_ack is not None:
+            pending, self._pending_ack = self._pending_ack, None
+            await self._channel.ack(pending)
+
+    async def close(self) -> None:
+        self._pending_ack = None  # closing is not an ack (see the module docstring)
+        await self._channel.close()
+
+
+class Subscription:
+    """The messages of one subscription connection; see the module docstring."""
+
+    def __init__(self, source: Channel | MessageSource, ctx: SubscriptionContext) -> None:
+        self.ctx = ctx
+        self._source: MessageSource = (
+            _ChannelMessages(source) if isinstance(source, Channel) else source
+        )
+        self._done = False
+
+    @property
+    def url(self) -> str:
+        return self._source.url
 
     @property
     def closed(self) -> bool:
@@ -97,12 +149,8 @@ class Subscription:
     async def __anext__(self) -> SubscriptionMessage:
         if self._done:
             raise StopAsyncIteration
-        if self._pending_ack is not None:
-            # The caller is done with the previous message: that is the ack.
-            await self._channel.ack(self._pending_ack)
-            self._pending_ack = None
         try:
-            envelope = await self._channel.receive()
+            raw = await self._source.next_message()
         except ChannelEnded as ended:
             closed_by_caller = self._done  # close() ran while we were waiting
             await self._finish()
@@ -110,15 +158,15 @@ class Subscription:
                 raise StopAsyncIteration from None
             raise ended.error from None
         try:
-            message = parse_downstream_message(envelope.messages[0])
+            message = parse_downstream_message(raw)
         except MessageValidationError as e:
             await self._finish()
             raise InvalidMessageError(f"invalid message from the server: {e}") from e
         if isinstance(message, DownstreamError):
-            await self._channel.ack(envelope.id)
+            # The server waits for this ack before it closes.
+            await self._source.ack_received()
             await self._finish()
             raise error_from_message(message)
-        self._pending_ack = envelope.id
         return message
 
     async def close(self) -> None:
@@ -138,6 +186,5 @@ class Subscription:
 
     async def _finish(self) -> None:
         self._done = True
-        self._pending_ack = None
         with contextlib.suppress(Exception):
-            await self._channel.close()
+            await self._source.close()

@@ -140,6 +140,17 @@ async def test_a_1002_close_raises_protocol_error_with_the_reason(server: Server
     assert sub.closed
 
 
+async def test_a_v6_request_error_surfaces_on_the_first_message(
+    server: Server, client: ChangeStreamerClient
+) -> None:
+    sub = await client.subscribe(ctx("zz"))
+    assert "/replication/v6/changes?" in sub.url
+    with pytest.raises(ProtocolError) as e:
+        await next_of(sub)
+    assert e.value.reason.startswith("Error: invalid querystring - watermark")
+    assert sub.closed
+
+
 async def test_a_server_side_close_ends_the_iteration(
     server: Server, client: ChangeStreamerClient
 ) -> None:
