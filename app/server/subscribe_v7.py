@@ -62,13 +62,22 @@ class Session:
         self._downstream: Downstream | None = None
         self._sender: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
+        self._ending = False
+        # Set when this socket's reservation was cancelled by another one for the
+        # same task before it subscribed: the socket then protects nothing, so it
+        # is closed and the client learns to start over.
+        self._superseded = asyncio.Event()
 
     async def run(self) -> None:
         receiver = asyncio.create_task(self._receive(), name="v7-receive")
         subscription = asyncio.create_task(self._send_subscription(), name="v7-send")
+        superseded = asyncio.create_task(self._superseded.wait(), name="v7-superseded")
         try:
             await run_until_done(
-                self._websocket, {receiver, subscription}, on_end=self._end, name="v7"
+                self._websocket,
+                {receiver, subscription, superseded},  # type: ignore[arg-type]
+                on_end=self._end,
+                name="v7",
             )
         finally:
             for task in (self._relay, self._sender):
@@ -78,14 +87,17 @@ class Session:
                         await task
 
     def _end(self, reason: str) -> None:
+        self._ending = True
         if self._reservation is not None:
             self._reservation.cancel()  # a no-op once the subscription completed it
         if self._downstream is not None:
             self._downstream.close(reason)
+        self._subscribed.set()  # releases a sender that never got a subscription
 
     async def _send_subscription(self) -> None:
         await self._subscribed.wait()
-        assert self._downstream is not None
+        if self._downstream is None:
+            return
         await self._outbound.pump(self._downstream, batched=True)
 
     async def _receive(self) -> None:
@@ -152,6 +164,15 @@ class Session:
             status = loads(message)[1]
             reserved = {**status, "tag": "snapshot"}
             await self._outbound.send_message(dumps(["reserved", reserved]))
+        superseded = (
+            reservation.outcome == "cancelled"
+            and reservation is self._reservation
+            and self._downstream is None
+            and not self._ending
+        )
+        if superseded:
+            log.info("reservation of task %s was superseded; closing", reservation.task_id)
+            self._superseded.set()
 
     def _start_subscription(self, body: dict[str, Any]) -> None:
         if self._downstream is not None:

@@ -198,3 +198,25 @@ async def test_v7_changes_with_ws_batched_sends_batch_frames(server: Server) -> 
         stream.push_all(txn("02", 50))
         msgs = await client.messages(52)
         assert msgs[-1][0] == "commit"
+
+
+async def test_a_reservation_superseded_by_another_socket_closes_the_first(
+    backed_up: Server,
+) -> None:
+    server = backed_up
+    url = f"{server.url}/replication/v7/subscribe"
+    async with connect(url) as first, connect(url) as second:
+        one, two = Client(first), Client(second)
+        await one.send(["reserve-snapshot", {"taskID": "same-task"}])
+        for _ in range(200):
+            if one.acks or "same-task" in server.service.reservations._by_task:
+                break
+            await asyncio.sleep(0.01)
+        await two.send(["reserve-snapshot", {"taskID": "same-task"}])
+        with pytest.raises(ConnectionClosed) as e:
+            while True:
+                await one.frame()
+        assert e.value.rcvd is not None
+        assert e.value.rcvd.code == 1000
+        # The second socket's reservation stands.
+        assert "same-task" in server.service.reservations._by_task
