@@ -13,14 +13,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from email.message import Message
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from app.server.admin import (
@@ -44,7 +40,8 @@ from app.storage import (
 )
 from app.streamer.service import ChangeStreamerService, SubscriberContext
 
-from .conftest import REPLICA_VERSION, free_port
+from .conftest import REPLICA_VERSION
+from .http import Reply, http_get, serve
 
 ADMIN = "s3cret-admin"
 OPERATOR = "op-password"
@@ -57,56 +54,12 @@ Stats = Callable[[], Awaitable[dict[str, dict[str, Any]]]]
 # -- a real server on loopback -------------------------------------------------
 
 
-@asynccontextmanager
-async def serve(app: FastAPI) -> AsyncIterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    for _ in range(2000):  # up to 20 s
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 20)
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: Message
-    body: bytes
-
-    @property
-    def text(self) -> str:
-        return self.body.decode()
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _fetch(url: str, headers: dict[str, str]) -> Reply:
-    request = urllib.request.Request(url, headers=headers)
-    try:
-        with _OPENER.open(request, timeout=90) as r:
-            return Reply(r.status, r.headers, r.read())
-    except urllib.error.HTTPError as e:
-        with e:
-            return Reply(e.code, e.headers, e.read())
-
-
 async def get(url: str, password: str | None = None, user: str = "admin") -> Reply:
     headers = {}
     if password is not None:
         token = base64.b64encode(f"{user}:{password}".encode()).decode()
         headers["Authorization"] = f"Basic {token}"
-    return await asyncio.to_thread(_fetch, url, headers)
+    return await http_get(url, headers)
 
 
 def basic(password: str, user: str = "") -> str:

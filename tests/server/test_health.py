@@ -3,66 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.error
-import urllib.request
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from email.message import Message
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from app.server.health import HealthRouter, KeepaliveMonitor, health_router
 
-from .conftest import free_port
+from .http import http_get, serve
 
 # -- a real server on loopback -------------------------------------------------
-
-
-@asynccontextmanager
-async def serve(app: FastAPI) -> AsyncIterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    for _ in range(2000):  # up to 20 s
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 20)
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: Message
-    body: bytes
-
-    def json(self) -> object:
-        return json.loads(self.body)
-
-
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _fetch(url: str) -> Reply:
-    try:
-        with _OPENER.open(url, timeout=30) as r:
-            return Reply(r.status, r.headers, r.read())
-    except urllib.error.HTTPError as e:
-        with e:
-            return Reply(e.code, e.headers, e.read())
-
-
-async def get(url: str) -> Reply:
-    return await asyncio.to_thread(_fetch, url)
 
 
 # -- a clock and sleep the test drives -------------------------------------------
@@ -103,7 +53,7 @@ async def test_health_answers_200_ok_as_plain_text() -> None:
         ready=lambda: (True, ""), keepalive_timeout_s=None, on_keepalive_expired=never_expires
     )
     async with serve(ready_app(router)) as url:
-        reply = await get(url + "/")
+        reply = await http_get(url + "/")
     assert (reply.status, reply.body) == (200, b"OK")
     assert reply.headers.get_content_type() == "text/plain"
 
@@ -113,7 +63,7 @@ async def test_keepalive_answers_ok_and_arms_nothing_without_a_timeout() -> None
         ready=lambda: (True, ""), keepalive_timeout_s=None, on_keepalive_expired=never_expires
     )
     async with serve(ready_app(router)) as url:
-        reply = await get(url + "/keepalive")
+        reply = await http_get(url + "/keepalive")
     assert (reply.status, reply.body) == (200, b"OK")
     assert router.keepalive_monitor is None
 
@@ -126,7 +76,7 @@ async def test_ready_is_200_with_ready_true_when_the_check_passes() -> None:
         ready=lambda: (True, ""), keepalive_timeout_s=None, on_keepalive_expired=never_expires
     )
     async with serve(ready_app(router)) as url:
-        reply = await get(url + "/ready")
+        reply = await http_get(url + "/ready")
     assert reply.status == 200
     assert reply.json() == {"ready": True}
 
@@ -141,9 +91,9 @@ async def test_ready_is_503_with_the_reason_while_not_ready() -> None:
         ready=ready, keepalive_timeout_s=None, on_keepalive_expired=never_expires
     )
     async with serve(ready_app(router)) as url:
-        before = await get(url + "/ready")
+        before = await http_get(url + "/ready")
         state["ready"] = True
-        after = await get(url + "/ready")
+        after = await http_get(url + "/ready")
     assert before.status == 503
     assert before.json() == {"ready": False, "reason": "waiting for the first backup"}
     assert after.status == 200
@@ -157,7 +107,7 @@ async def test_a_failing_readiness_check_reports_not_ready_with_the_error() -> N
         ready=ready, keepalive_timeout_s=None, on_keepalive_expired=never_expires
     )
     async with serve(ready_app(router)) as url:
-        reply = await get(url + "/ready")
+        reply = await http_get(url + "/ready")
     assert reply.status == 503
     assert reply.json() == {
         "ready": False,
@@ -185,7 +135,7 @@ async def test_keepalive_expires_once_after_the_timeout_without_heartbeats_not_b
         sleep=time.sleep,
     )
     async with serve(ready_app(router)) as url:
-        assert (await get(url + "/keepalive")).status == 200  # at t=0: arms the monitor
+        assert (await http_get(url + "/keepalive")).status == 200  # at t=0: arms the monitor
         interval, wake = await time.next_sleep()
         assert interval == 5.0  # timeout / 4
 
@@ -205,7 +155,7 @@ async def test_keepalive_expires_once_after_the_timeout_without_heartbeats_not_b
             await asyncio.sleep(0)
         assert time.sleeps.empty()  # the monitor ended: it fires once
 
-        assert (await get(url + "/keepalive")).status == 200  # still answered
+        assert (await http_get(url + "/keepalive")).status == 200  # still answered
         for _ in range(5):
             await asyncio.sleep(0)
         assert time.sleeps.empty()  # and not re-armed
@@ -229,10 +179,10 @@ async def test_each_keepalive_restarts_the_timeout() -> None:
         sleep=time.sleep,
     )
     async with serve(ready_app(router)) as url:
-        await get(url + "/keepalive")  # t=0
+        await http_get(url + "/keepalive")  # t=0
         _, wake = await time.next_sleep()
         time.now = 15.0
-        await get(url + "/keepalive")  # t=15
+        await http_get(url + "/keepalive")  # t=15
         wake.set_result(None)
         _, wake = await time.next_sleep()
         time.now = 34.9  # 19.9 s after the last heartbeat, 34.9 s after the first
@@ -257,10 +207,10 @@ async def test_the_monitor_is_armed_only_by_the_first_keepalive() -> None:
     monitor = router.keepalive_monitor
     assert monitor is not None
     async with serve(ready_app(router)) as url:
-        await get(url + "/")
-        await get(url + "/ready")
+        await http_get(url + "/")
+        await http_get(url + "/ready")
         armed_before = monitor.armed
-        await get(url + "/keepalive")
+        await http_get(url + "/keepalive")
         armed_after = monitor.armed
         await time.next_sleep()
     assert (armed_before, armed_after) == (False, True)
@@ -276,7 +226,7 @@ async def test_app_shutdown_cancels_the_monitor_through_the_router_lifespan() ->
         sleep=time.sleep,
     )
     async with serve(ready_app(router)) as url:
-        await get(url + "/keepalive")
+        await http_get(url + "/keepalive")
         _, wake = await time.next_sleep()
     assert wake.cancelled()
     monitor = router.keepalive_monitor

@@ -5,16 +5,12 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from app.server.metrics import (
@@ -37,34 +33,10 @@ from app.storage import (
 )
 from app.streamer.service import ChangeStreamerService, StreamerOptions, SubscriberContext
 
-from .conftest import REPLICA_VERSION, free_port
+from .conftest import REPLICA_VERSION
+from .http import http_get, serve
 
 # -- a real server on loopback -------------------------------------------------
-
-
-@asynccontextmanager
-async def serve(app: FastAPI) -> AsyncIterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    for _ in range(2000):  # up to 20 s
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 20)
-
-
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _fetch(url: str) -> tuple[int, str, str]:
-    with _OPENER.open(url, timeout=30) as r:
-        return r.status, r.headers["Content-Type"], r.read().decode()
 
 
 # -- a strict parser of the text format (what a scraper accepts) -------------------
@@ -119,10 +91,10 @@ def parse(text: str) -> dict[str, Family]:
 
 
 async def scrape(url: str) -> dict[str, Family]:
-    status, content_type, text = await asyncio.to_thread(_fetch, url + "/metrics")
-    assert status == 200
-    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
-    return parse(text)
+    reply = await http_get(url + "/metrics")
+    assert reply.status == 200
+    assert reply.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    return parse(reply.text)
 
 
 def value(families: dict[str, Family], name: str, **labels: str) -> float:

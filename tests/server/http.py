@@ -1,0 +1,68 @@
+"""Plain HTTP against an app on loopback, for the admin, health and metrics tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from email.message import Message
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from .conftest import free_port
+
+# No proxies: the tests talk to 127.0.0.1 only.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@asynccontextmanager
+async def serve(app: FastAPI) -> AsyncIterator[str]:
+    """Runs ``app`` under uvicorn on a free loopback port; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    for _ in range(2000):  # up to 20 s
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 20)
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: Message
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode()
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def _fetch(url: str, headers: dict[str, str]) -> Reply:
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with _OPENER.open(request, timeout=90) as r:
+            return Reply(r.status, r.headers, r.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return Reply(e.code, e.headers, e.read())
+
+
+async def http_get(url: str, headers: dict[str, str] | None = None) -> Reply:
+    """GET in a worker thread (urllib blocks); error statuses are returned, not raised."""
+    return await asyncio.to_thread(_fetch, url, headers or {})
