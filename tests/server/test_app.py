@@ -1,0 +1,86 @@
+"""The app owns the service: start-up delay, and the server stops with the streamer."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from app.server.app import create_app
+from app.sources.memory import MemoryChangeSource
+from app.storage import (
+    Replication,
+    Shard,
+    SubscriptionState,
+    create_change_db,
+    migrate,
+    parse_change_db_url,
+)
+from app.streamer.service import ChangeStreamerService, StreamerOptions
+
+from .conftest import REPLICA_VERSION
+from .http import http_get, serve
+
+
+async def test_the_server_is_told_to_stop_when_the_streamer_stops(tmp_path: Path) -> None:
+    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
+    await migrate(db)
+    await Replication(db).ensure_config(
+        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
+    )
+    source = MemoryChangeSource()
+    service = ChangeStreamerService(
+        db=db,
+        source=source,
+        task_id="t",
+        address=None,
+        replica_version=REPLICA_VERSION,
+        durable_watermark=REPLICA_VERSION,
+        options=StreamerOptions(backoff_initial_s=0.01),
+    )
+    exited = asyncio.Event()
+    app = create_app(db, service, startup_delay_s=0, on_service_exit=exited.set)
+    async with serve(app) as url:
+        stream = await asyncio.wait_for(source.wait_for_stream(), 10)  # delay 0: started
+        assert (await http_get(url + "/ready")).json() == {"ready": True}
+        # A protocol violation from upstream is unrecoverable: the streamer stops.
+        stream.push(
+            [
+                "data",
+                {
+                    "tag": "insert",
+                    "relation": {"schema": "public", "name": "t", "rowKey": {"columns": ["id"]}},
+                    "new": {"id": 1},
+                },
+            ]
+        )
+        await asyncio.wait_for(exited.wait(), 10)
+        reply = await http_get(url + "/ready")
+        assert reply.status == 503
+        assert reply.json() == {"ready": False, "reason": "the change streamer is not running"}
+
+
+async def test_the_stream_waits_for_the_startup_delay_without_subscribers(tmp_path: Path) -> None:
+    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
+    await migrate(db)
+    await Replication(db).ensure_config(
+        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
+    )
+    source = MemoryChangeSource()
+    service = ChangeStreamerService(
+        db=db,
+        source=source,
+        task_id="t",
+        address=None,
+        replica_version=REPLICA_VERSION,
+        durable_watermark=REPLICA_VERSION,
+    )
+    app = create_app(db, service, startup_delay_s=2.0)
+    async with serve(app) as url:
+        assert (await http_get(url + "/ready")).status == 503
+        assert source.start_calls == []
+        await asyncio.wait_for(source.wait_for_stream(), 10)  # after the delay
+        for _ in range(100):
+            if (await http_get(url + "/ready")).status == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert (await http_get(url + "/ready")).status == 200
