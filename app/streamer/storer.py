@@ -137,11 +137,11 @@ class Storer:
 
         # Consumer side.
         self.durable = durable_watermark
-        self._durable_changed = asyncio.Event()
+        # Catch-ups waiting for their bound to become durable: (watermark, future).
+        self._durable_waiters: list[tuple[str, asyncio.Future[None]]] = []
         self._running = False
         self._stopped = asyncio.Event()
         self._catchups: set[asyncio.Task[None]] = set()
-        self._runs_ended = 0
 
     # ------------------------------------------------------------------
     # Enqueue side: called by the main loop without awaiting.
@@ -361,13 +361,17 @@ class Storer:
                 await close_db_tx(commit=False)
             self._open_gate()
             self._drain_queue()
-            self._runs_ended += 1
-            self._durable_changed.set()
+            # What this stream enqueued but did not store will not become durable
+            # on its own: its waiters (catch-ups) fail, and their subscribers
+            # reconnect and catch up again.
+            self._fail_durable_waiters(
+                StorerStopped("the change stream ended before the catch-up bound was stored")
+            )
             self._stopped.set()
 
     def _made_durable(self, group: list[_OpenTx]) -> None:
         self.durable = group[-1].watermark
-        self._durable_changed.set()
+        self._wake_durable_waiters()
         acked = [t.watermark for t in group if not t.skip_ack]
         if acked:
             self._on_durable(acked[-1])
@@ -382,6 +386,9 @@ class Storer:
         for request in parked:
             request.sub.fail(StorerStopped("the change stream was interrupted"))
         self._enqueued_in_tx = False
+        # Nothing past what is stored is pending any more: catch-ups that start
+        # before the next stream are bounded by the durable watermark.
+        self._last_enqueued_commit = self.durable
 
     async def stop(self, *, drain_timeout_s: float = 30.0) -> None:
         """Aborts the open transaction, writes what is complete, and ends ``run``.
@@ -405,6 +412,7 @@ class Storer:
         """A new upstream stream starts from ``durable_watermark`` (what is stored)."""
         self._last_enqueued_commit = durable_watermark
         self.durable = durable_watermark
+        self._wake_durable_waiters()
         self._enqueued_in_tx = False
 
     # ------------------------------------------------------------------
@@ -417,17 +425,40 @@ class Storer:
         task.add_done_callback(self._catchups.discard)
 
     async def wait_durable(self, watermark: str, *, sub: Subscriber | None = None) -> None:
-        runs_ended = self._runs_ended
-        while self.durable < watermark:
-            if sub is not None and sub.closed:
-                raise StorerStopped("subscriber closed")
-            if self._runs_ended != runs_ended:
-                # The stream that enqueued this watermark ended without storing it.
-                raise StorerStopped(f"the change stream ended before {watermark} was stored")
-            self._durable_changed.clear()
-            # Re-check periodically so a closed subscriber does not wait forever.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._durable_changed.wait(), 1.0)
+        """Returns once ``watermark`` is durable; raises ``StorerStopped`` if it won't be.
+
+        That is: the stream that enqueued it ended first, or ``sub`` closed.
+        """
+        if self.durable >= watermark:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._durable_waiters.append((watermark, future))
+        if sub is not None:
+
+            def on_close() -> None:
+                if not future.done():
+                    future.set_exception(StorerStopped("subscriber closed"))
+
+            sub.downstream.on_close(on_close)
+        await future
+
+    def _wake_durable_waiters(self) -> None:
+        still = []
+        for watermark, future in self._durable_waiters:
+            if future.done():
+                continue
+            if watermark <= self.durable:
+                future.set_result(None)
+            else:
+                still.append((watermark, future))
+        self._durable_waiters = still
+
+    def _fail_durable_waiters(self, error: StorerStopped) -> None:
+        self._wake_durable_waiters()
+        waiters, self._durable_waiters = self._durable_waiters, []
+        for _, future in waiters:
+            if not future.done():
+                future.set_exception(error)
 
     async def _catchup(self, request: _Catchup, up_to: str) -> None:
         sub, mode = request.sub, request.mode
