@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from app.client import add_status_arguments, add_tail_arguments, run_status, run_tail
 from app.config import Settings, SettingsError, load_settings
 from app.server.admin import AdminAuth, check_startup
+from app.server.ws_protocol import LivenessProtocol
 from app.sources.demo import DemoChangeSource
 from app.storage import (
     ChangeDb,
@@ -141,8 +142,9 @@ def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | No
         host=listen_host,
         port=listen_port,
         ws_per_message_deflate=False,
-        # The sans-I/O websockets implementation (measured with bench.fanout --scenarios ws).
-        ws="websockets-sansio",
+        # uvicorn's sans-I/O websockets, with zero's liveness rule: a pong *or* any
+        # inbound frame keeps a peer alive (app/server/ws_protocol.py).
+        ws=LivenessProtocol,
         # Pings at most every 30 s (zero's clients drop a silent socket after 33 s);
         # a generous pong timeout, since a busy replica may answer late.
         ws_ping_interval=20,

@@ -237,6 +237,7 @@ async def run_ws(
     import uvicorn
 
     from app.server.app import create_app
+    from app.server.ws_protocol import LivenessProtocol
 
     with tempfile.TemporaryDirectory() as tmp:
         db = create_change_db(parse_change_db_url(str(Path(tmp) / "cdc.db")), Shard())
@@ -264,7 +265,7 @@ async def run_ws(
                 port=port,
                 log_level="warning",
                 ws_per_message_deflate=False,
-                ws="websockets-sansio",
+                ws=LivenessProtocol,
             )
         )
         serving = asyncio.create_task(server.serve())
