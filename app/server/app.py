@@ -79,11 +79,16 @@ def create_app(
     app = FastAPI(title="changestreamer", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     def ready() -> tuple[bool, str]:
-        # Ready = the streamer runs. (With backups, the backup coverage gate will
-        # be part of this once the backup monitor exists.)
+        # Ready = the streamer runs and, with backups configured, a backup covers
+        # the replica as it was at start (a restoring view-syncer needs that).
         current = holder.service
         if current is None or not current.running:
             return False, "the change streamer is not running"
+        if not current.backup_covered:
+            return (
+                False,
+                f"waiting for a backup that covers the replica at {current.coverage_target}",
+            )
         return True, ""
 
     app.include_router(

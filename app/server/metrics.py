@@ -16,13 +16,16 @@ gauges as they are at that moment, so there is no registry to keep. Metrics:
 ``changestreamer_changes_total``                  counter  upstream data changes
 ``changestreamer_change_log_rows``                gauge    rows in the change log (cached)
 ``changestreamer_lag_seconds``                    gauge    now − newest lag report's commit
+``changestreamer_backup_lag_seconds``             gauge    age of the oldest unbacked commit
 ================================================  =======  =================================
 
 Counters restart from zero with the process (Prometheus' ``rate`` handles that).
 ``changestreamer_lag_seconds`` appears once a lag report with timings arrived; it
 rises between reports (every ``ZERO_REPLICATION_LAG_REPORT_INTERVAL_MS``) and
-keeps rising when replication stalls, which is what an alert wants. There is no
-backup-lag metric: the service learns backup *watermarks*, not backup times.
+keeps rising when replication stalls, which is what an alert wants.
+``changestreamer_backup_lag_seconds`` appears once a backup watermark is known: how
+long the oldest durable commit that no backup covers yet has been durable (0 when
+the backup is caught up).
 
 ``changestreamer_change_log_rows`` is a ``COUNT(*)``: it runs at most once per
 ``change_log_rows_ttl_s`` (scrapes in between reuse the value), one at a time,
@@ -237,6 +240,15 @@ async def collect(
                 "gauge",
                 "Seconds since the upstream commit of the newest replication lag report.",
             ).add(lag)
+        )
+    backup_lag = service.backup_lag_seconds()
+    if backup_lag is not None:
+        families.append(
+            MetricFamily(
+                "changestreamer_backup_lag_seconds",
+                "gauge",
+                "Seconds the oldest durable commit not yet covered by a backup has waited.",
+            ).add(backup_lag)
         )
     return families
 

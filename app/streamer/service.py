@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,8 @@ log = logging.getLogger(__name__)
 # Node's default stream high-water mark, which the reference uses as its
 # flow-control checkpoint interval.
 FLUSH_THRESHOLD = 64 * 1024
+# Durable commits remembered for the backup lag (older ones count as the oldest).
+DURABLE_HISTORY = 10_000
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -136,7 +139,7 @@ class ChangeStreamerService:
             replica_version=replica_version,
             durable_watermark=durable_watermark,
             timers=self._timers,
-            on_durable=self.acker.track_change_log,
+            on_durable=self._on_durable,
             on_fatal=self._on_fatal,
             back_pressure_bytes=self.options.back_pressure_bytes,
             statement_timeout_s=self.options.statement_timeout_s,
@@ -158,6 +161,12 @@ class ChangeStreamerService:
         self._tx: str | None = None  # commit watermark of the open transaction
         self._latest_lag_report: dict[str, Any] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
+        # Backups: the newest backed-up watermark, when each commit became durable
+        # (bounded; for the backup lag), and the watermark the first backup must
+        # reach before this task is ready to serve (the coverage gate).
+        self.backup_watermark: str | None = None
+        self.coverage_target = durable_watermark
+        self._durable_at: deque[tuple[str, float]] = deque(maxlen=DURABLE_HISTORY)
         self.serving_started = asyncio.Event()
         self.running = False
         self.transactions = 0
@@ -465,7 +474,29 @@ class ChangeStreamerService:
         self.serving_started.set()
         return self.reservations.open(task_id)
 
+    def _on_durable(self, watermark: str) -> None:
+        self._durable_at.append((watermark, self._timers.monotonic()))
+        self.acker.track_change_log(watermark)
+
+    @property
+    def backup_covered(self) -> bool:
+        """No backups configured, or one has reached the replica's start position."""
+        if self.options.backup_url is None:
+            return True
+        return self.backup_watermark is not None and self.backup_watermark >= self.coverage_target
+
+    def backup_lag_seconds(self) -> float | None:
+        """How long the oldest commit not yet in a backup has been durable; None if unknown."""
+        if self.backup_watermark is None:
+            return None
+        for watermark, at in self._durable_at:
+            if watermark > self.backup_watermark:
+                return max(0.0, self._timers.monotonic() - at)
+        return 0.0
+
     def track_backup_watermark(self, watermark: str) -> None:
+        if self.backup_watermark is None or watermark > self.backup_watermark:
+            self.backup_watermark = watermark
         self.acker.track_backup(watermark)
         self.purger.track_backup_watermark(watermark)
         self.reservations.track_backup_watermark(watermark)

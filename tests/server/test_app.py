@@ -84,3 +84,32 @@ async def test_the_stream_waits_for_the_startup_delay_without_subscribers(tmp_pa
                 break
             await asyncio.sleep(0.05)
         assert (await http_get(url + "/ready")).status == 200
+
+
+async def test_with_backups_ready_waits_for_a_covering_backup(tmp_path: Path) -> None:
+    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
+    await migrate(db)
+    await Replication(db).ensure_config(
+        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
+    )
+    source = MemoryChangeSource()
+    service = ChangeStreamerService(
+        db=db,
+        source=source,
+        task_id="t",
+        address=None,
+        replica_version=REPLICA_VERSION,
+        durable_watermark=REPLICA_VERSION,
+        options=StreamerOptions(backup_url="file:///backups/r"),
+    )
+    app = create_app(db, service, startup_delay_s=0)
+    async with serve(app) as url:
+        await asyncio.wait_for(source.wait_for_stream(), 10)
+        reply = await http_get(url + "/ready")
+        assert reply.status == 503
+        assert reply.json() == {
+            "ready": False,
+            "reason": "waiting for a backup that covers the replica at 01",
+        }
+        service.track_backup_watermark(REPLICA_VERSION)
+        assert (await http_get(url + "/ready")).status == 200

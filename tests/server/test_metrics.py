@@ -282,6 +282,17 @@ async def test_lag_appears_once_a_lag_report_with_timings_arrived(running: Runni
     assert value(await scrape(running.url), "changestreamer_lag_seconds") == 12.0
 
 
+async def test_backup_lag_appears_once_a_backup_watermark_is_known(running: Running) -> None:
+    stream = await asyncio.wait_for(running.source.wait_for_stream(), 10)
+    stream.push_all(txn("02", 1))
+    await asyncio.wait_for(running.service.storer.wait_durable("02"), 10)
+    assert "changestreamer_backup_lag_seconds" not in await scrape(running.url)
+    running.service.track_backup_watermark("02")
+    families = await scrape(running.url)
+    assert families["changestreamer_backup_lag_seconds"].type == "gauge"
+    assert value(families, "changestreamer_backup_lag_seconds") == 0.0
+
+
 async def test_without_a_service_only_running_zero_is_exposed() -> None:
     app = FastAPI()
     app.include_router(metrics_router(lambda: None))

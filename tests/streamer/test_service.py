@@ -544,3 +544,30 @@ async def test_a_dropped_change_log_schema_stops_the_service_cleanly(pg_url: str
         async with db.writer.begin() as conn:
             await conn.execute(text(f'DROP SCHEMA IF EXISTS "{shard.cdc_schema}" CASCADE'))
         await db.dispose()
+
+
+async def test_backup_lag_is_the_age_of_the_oldest_commit_no_backup_covers(svc: Service) -> None:
+    stream = await svc.stream()
+    assert svc.service.backup_lag_seconds() is None  # no backup watermark yet
+    stream.push_all(txn("02"))
+    await svc.durable("02")
+    svc.timers.advance(5)
+    stream.push_all(txn("03"))
+    await svc.durable("03")
+    svc.service.track_backup_watermark("01")
+    svc.timers.advance(2)
+    assert svc.service.backup_lag_seconds() == pytest.approx(7.0)  # 02 waits since t=0
+    svc.service.track_backup_watermark("02")
+    assert svc.service.backup_lag_seconds() == pytest.approx(2.0)  # 03 waits since t=5
+    svc.service.track_backup_watermark("03")
+    assert svc.service.backup_lag_seconds() == 0.0
+
+
+async def test_the_coverage_gate_needs_a_backup_at_the_start_position(change_db: ChangeDb) -> None:
+    s = Service(change_db, backup_url="file:///b")
+    assert not s.service.backup_covered
+    s.service.track_backup_watermark("00")
+    assert not s.service.backup_covered  # behind the replica at start (01)
+    s.service.track_backup_watermark("01")
+    assert s.service.backup_covered
+    await s.stop()
