@@ -12,6 +12,7 @@ import pytest
 import uvicorn
 
 from app.server.app import create_app
+from app.server.ws_protocol import LivenessProtocol
 from app.sources.memory import MemoryChangeSource
 from app.storage import (
     Replication,
@@ -57,8 +58,14 @@ async def start_server(tmp_path: Path, **options: object) -> AsyncIterator[Serve
     )
     port = free_port()
     app = create_app(db, service, startup_delay_s=3600)
+    # The websocket protocol `changestreamer serve` uses.
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", ws_per_message_deflate=False
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        ws_per_message_deflate=False,
+        ws=LivenessProtocol,
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
