@@ -2,6 +2,8 @@
 # subscribers in memory, so it must not be forked).
 FROM python:3.11-slim
 
+# Outside NODE_ENV=development the service refuses to start without
+# ZERO_ADMIN_PASSWORD (it guards /statz and /profile): pass one with `-e`.
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     ZERO_CHANGE_STREAMER_HOST=0.0.0.0 \
     ZERO_REPLICA_FILE=/data/zero.db

@@ -188,6 +188,10 @@ class SnapshotReservations:
         if self._pending():
             self._request_confirmation()
 
+    def is_open(self, task_id: str) -> bool:
+        """Whether ``task_id`` holds an open reservation (for /statz and tests)."""
+        return task_id in self._by_task
+
     def reserved_watermarks(self) -> list[str]:
         """Watermarks the purge floor must respect (confirmed or being confirmed)."""
         held = [r.reserved_watermark for r in self._by_task.values() if r.reserved_watermark]

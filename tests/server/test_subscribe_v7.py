@@ -139,15 +139,15 @@ async def test_disconnecting_before_subscribing_cancels_the_reservation(backed_u
         await client.send(["reserve-snapshot", {"taskID": "t9"}])
         await asyncio.wait_for(server.source.wait_for_stream(), 10)
         for _ in range(100):
-            if client.acks or "t9" in server.service.reservations._by_task:
+            if client.acks or server.service.reservations.is_open("t9"):
                 break
             await asyncio.sleep(0.01)
-        assert "t9" in server.service.reservations._by_task
+        assert server.service.reservations.is_open("t9")
     for _ in range(200):
-        if "t9" not in server.service.reservations._by_task:
+        if not server.service.reservations.is_open("t9"):
             break
         await asyncio.sleep(0.01)
-    assert "t9" not in server.service.reservations._by_task
+    assert not server.service.reservations.is_open("t9")
 
 
 @pytest.mark.parametrize(
@@ -209,7 +209,7 @@ async def test_a_reservation_superseded_by_another_socket_closes_the_first(
         one, two = Client(first), Client(second)
         await one.send(["reserve-snapshot", {"taskID": "same-task"}])
         for _ in range(200):
-            if one.acks or "same-task" in server.service.reservations._by_task:
+            if one.acks or server.service.reservations.is_open("same-task"):
                 break
             await asyncio.sleep(0.01)
         await two.send(["reserve-snapshot", {"taskID": "same-task"}])
@@ -219,4 +219,4 @@ async def test_a_reservation_superseded_by_another_socket_closes_the_first(
         assert e.value.rcvd is not None
         assert e.value.rcvd.code == 1000
         # The second socket's reservation stands.
-        assert "same-task" in server.service.reservations._by_task
+        assert server.service.reservations.is_open("same-task")
