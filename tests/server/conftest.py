@@ -7,6 +7,7 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -15,6 +16,7 @@ from app.server.app import create_app
 from app.server.ws_protocol import LivenessProtocol
 from app.sources.memory import MemoryChangeSource
 from app.storage import (
+    ChangeDb,
     Replication,
     Shard,
     SubscriptionState,
@@ -40,7 +42,11 @@ class Server:
     service: ChangeStreamerService
 
 
-async def start_server(tmp_path: Path, **options: object) -> AsyncIterator[Server]:
+async def new_service(
+    tmp_path: Path, *, task_id: str = "server-test", **options: Any
+) -> tuple[ChangeDb, MemoryChangeSource, ChangeStreamerService]:
+    """A service over a fresh, migrated SQLite log at the replica version, fed by a
+    scripted source (quick reconnects)."""
     db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
     await migrate(db)
     await Replication(db).ensure_config(
@@ -50,12 +56,17 @@ async def start_server(tmp_path: Path, **options: object) -> AsyncIterator[Serve
     service = ChangeStreamerService(
         db=db,
         source=source,
-        task_id="server-test",
+        task_id=task_id,
         address=None,
         replica_version=REPLICA_VERSION,
         durable_watermark=REPLICA_VERSION,
-        options=StreamerOptions(backoff_initial_s=0.01, backoff_max_s=0.05, **options),  # type: ignore[arg-type]
+        options=StreamerOptions(backoff_initial_s=0.01, backoff_max_s=0.05, **options),
     )
+    return db, source, service
+
+
+async def start_server(tmp_path: Path, **options: Any) -> AsyncIterator[Server]:
+    db, source, service = await new_service(tmp_path, task_id="server-test", **options)
     port = free_port()
     app = create_app(db, service, startup_delay_s=3600)
     # The websocket protocol `changestreamer serve` uses.

@@ -29,18 +29,9 @@ from app.server.admin import (
     render_text,
     service_stats,
 )
-from app.sources.memory import MemoryChangeSource
-from app.storage import (
-    Replication,
-    Shard,
-    SubscriptionState,
-    create_change_db,
-    migrate,
-    parse_change_db_url,
-)
 from app.streamer.service import ChangeStreamerService, SubscriberContext
 
-from .conftest import REPLICA_VERSION
+from .conftest import REPLICA_VERSION, new_service
 from .http import Reply, http_get, serve
 
 ADMIN = "s3cret-admin"
@@ -71,19 +62,7 @@ def basic(password: str, user: str = "") -> str:
 
 @pytest.fixture
 async def service(tmp_path: Path) -> AsyncIterator[ChangeStreamerService]:
-    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
-    await migrate(db)
-    await Replication(db).ensure_config(
-        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
-    )
-    svc = ChangeStreamerService(
-        db=db,
-        source=MemoryChangeSource(),
-        task_id="admin-test",
-        address=None,
-        replica_version=REPLICA_VERSION,
-        durable_watermark=REPLICA_VERSION,
-    )
+    db, _source, svc = await new_service(tmp_path, task_id="admin-test")
     try:
         yield svc
     finally:

@@ -6,37 +6,13 @@ import asyncio
 from pathlib import Path
 
 from app.server.app import create_app
-from app.sources.memory import MemoryChangeSource
-from app.storage import (
-    Replication,
-    Shard,
-    SubscriptionState,
-    create_change_db,
-    migrate,
-    parse_change_db_url,
-)
-from app.streamer.service import ChangeStreamerService, StreamerOptions
 
-from .conftest import REPLICA_VERSION
+from .conftest import REPLICA_VERSION, new_service
 from .http import http_get, serve
 
 
 async def test_the_server_is_told_to_stop_when_the_streamer_stops(tmp_path: Path) -> None:
-    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
-    await migrate(db)
-    await Replication(db).ensure_config(
-        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
-    )
-    source = MemoryChangeSource()
-    service = ChangeStreamerService(
-        db=db,
-        source=source,
-        task_id="t",
-        address=None,
-        replica_version=REPLICA_VERSION,
-        durable_watermark=REPLICA_VERSION,
-        options=StreamerOptions(backoff_initial_s=0.01),
-    )
+    db, source, service = await new_service(tmp_path, task_id="t")
     exited = asyncio.Event()
     app = create_app(db, service, startup_delay_s=0, on_service_exit=exited.set)
     async with serve(app) as url:
@@ -60,20 +36,7 @@ async def test_the_server_is_told_to_stop_when_the_streamer_stops(tmp_path: Path
 
 
 async def test_the_stream_waits_for_the_startup_delay_without_subscribers(tmp_path: Path) -> None:
-    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
-    await migrate(db)
-    await Replication(db).ensure_config(
-        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
-    )
-    source = MemoryChangeSource()
-    service = ChangeStreamerService(
-        db=db,
-        source=source,
-        task_id="t",
-        address=None,
-        replica_version=REPLICA_VERSION,
-        durable_watermark=REPLICA_VERSION,
-    )
+    db, source, service = await new_service(tmp_path, task_id="t")
     app = create_app(db, service, startup_delay_s=2.0)
     async with serve(app) as url:
         assert (await http_get(url + "/ready")).status == 503
@@ -87,21 +50,7 @@ async def test_the_stream_waits_for_the_startup_delay_without_subscribers(tmp_pa
 
 
 async def test_with_backups_ready_waits_for_a_covering_backup(tmp_path: Path) -> None:
-    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
-    await migrate(db)
-    await Replication(db).ensure_config(
-        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
-    )
-    source = MemoryChangeSource()
-    service = ChangeStreamerService(
-        db=db,
-        source=source,
-        task_id="t",
-        address=None,
-        replica_version=REPLICA_VERSION,
-        durable_watermark=REPLICA_VERSION,
-        options=StreamerOptions(backup_url="file:///backups/r"),
-    )
+    db, source, service = await new_service(tmp_path, task_id="t", backup_url="file:///backups/r")
     app = create_app(db, service, startup_delay_s=0)
     async with serve(app) as url:
         await asyncio.wait_for(source.wait_for_stream(), 10)

@@ -14,18 +14,8 @@ from app.protocol.canonical_json import loads
 from app.protocol.lexi import to_lexi
 from app.server.app import create_app
 from app.server.ws_protocol import LivenessProtocol
-from app.sources.memory import MemoryChangeSource
-from app.storage import (
-    Replication,
-    Shard,
-    SubscriptionState,
-    create_change_db,
-    migrate,
-    parse_change_db_url,
-)
-from app.streamer.service import ChangeStreamerService
 
-from .conftest import REPLICA_VERSION, free_port
+from .conftest import free_port, new_service
 from .test_replication_ws import QUERY, txn
 
 
@@ -69,20 +59,7 @@ class NoPongClient:
 
 
 async def test_acks_count_as_liveness_and_silence_does_not(tmp_path: Path) -> None:
-    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
-    await migrate(db)
-    await Replication(db).ensure_config(
-        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
-    )
-    source = MemoryChangeSource()
-    service = ChangeStreamerService(
-        db=db,
-        source=source,
-        task_id="t",
-        address=None,
-        replica_version=REPLICA_VERSION,
-        durable_watermark=REPLICA_VERSION,
-    )
+    db, source, service = await new_service(tmp_path, task_id="t")
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(

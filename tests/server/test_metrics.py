@@ -24,16 +24,10 @@ from app.server.metrics import (
 from app.sources.memory import MemoryChangeSource
 from app.storage import (
     ChangeLog,
-    Replication,
-    Shard,
-    SubscriptionState,
-    create_change_db,
-    migrate,
-    parse_change_db_url,
 )
-from app.streamer.service import ChangeStreamerService, StreamerOptions, SubscriberContext
+from app.streamer.service import ChangeStreamerService, SubscriberContext
 
-from .conftest import REPLICA_VERSION
+from .conftest import REPLICA_VERSION, new_service
 from .http import http_get, serve
 
 # -- a real server on loopback -------------------------------------------------
@@ -175,21 +169,7 @@ def txn(w: str, n: int) -> list[list[Any]]:
 
 @pytest.fixture
 async def running(tmp_path: Path) -> AsyncIterator[Running]:
-    db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
-    await migrate(db)
-    await Replication(db).ensure_config(
-        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
-    )
-    source = MemoryChangeSource()
-    service = ChangeStreamerService(
-        db=db,
-        source=source,
-        task_id="metrics-test",
-        address=None,
-        replica_version=REPLICA_VERSION,
-        durable_watermark=REPLICA_VERSION,
-        options=StreamerOptions(backoff_initial_s=0.01, backoff_max_s=0.05),
-    )
+    db, source, service = await new_service(tmp_path, task_id="metrics-test")
     wall = [1_700_000_000.0]
     app = FastAPI()
     app.include_router(
