@@ -58,20 +58,19 @@ def parse_array(text: str, element: Callable[[str], Any], delimiter: str = ",") 
     token, slow = _patterns(delimiter)
     start = 0
     if text[:1] != "{":
-        m = _DIMENSIONS.match(text)
-        if m is None:
-            raise ArrayLiteralError(f"array literal {text!r} does not start with '{{'")
-        start = m.end()
+        start = len(text) - len(text.lstrip())
+        m = _DIMENSIONS.match(text, start)
+        if m is not None:
+            start = m.end()
         if text[start : start + 1] != "{":
             raise ArrayLiteralError(f"array literal {text!r}: expected '{{' at {start}")
     end = len(text)
     if end - start >= 2 and text[end - 1] == "}" and slow.search(text, start + 1, end - 1) is None:
         if end - start == 2:
             return []
-        return [
-            None if item.upper() == "NULL" else element(item)
-            for item in text[start + 1 : end - 1].split(delimiter)
-        ]
+        items = text[start + 1 : end - 1].split(delimiter)
+        if "" not in items:  # an empty unquoted element is an error: the slow path says so
+            return [None if item.upper() == "NULL" else element(item) for item in items]
     return _parse_slow(text, start, element, token)
 
 
