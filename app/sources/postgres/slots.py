@@ -44,6 +44,7 @@ __all__ = [
     "slot_health",
     "slot_name_prefix",
     "slot_pool_suffix",
+    "slot_status",
 ]
 
 log = logging.getLogger(__name__)
@@ -363,16 +364,18 @@ async def slot_health(conn: psycopg.AsyncConnection[Any], slot: str) -> SlotHeal
     if row is None:
         return SlotHealth("missing")
     restart_lsn, wal_status, retained, safe = row
-    status: SlotStatus
+    return SlotHealth(slot_status(restart_lsn, wal_status), restart_lsn, wal_status, retained, safe)
+
+
+def slot_status(restart_lsn: str | None, wal_status: str | None) -> SlotStatus:
+    """A present slot's status from its ``pg_replication_slots`` columns."""
     if restart_lsn is None or wal_status == "lost":
-        status = "lost"
-    elif wal_status in ("reserved", "extended"):
-        status = "ok"
-    elif wal_status == "unreserved":
-        status = "unreserved"
-    else:
-        status = "unknown"
-    return SlotHealth(status, restart_lsn, wal_status, retained, safe)
+        return "lost"
+    if wal_status in ("reserved", "extended"):
+        return "ok"
+    if wal_status == "unreserved":
+        return "unreserved"
+    return "unknown"
 
 
 # --- cleanup ---------------------------------------------------------------------------
