@@ -1,0 +1,181 @@
+"""Drives a :class:`~app.replica.writer.ReplicaWriter` from a stream of downstream messages.
+
+:class:`Replicator` takes the messages a subscriber receives (the types of
+:mod:`app.client.subscription`: status, begin, data, commit, rollback) and applies
+each upstream transaction as one SQLite transaction. It works on any async iterable
+of those messages: a websocket :class:`~app.client.subscription.Subscription` or an
+in-process stream.
+
+Acks. The replicator consumes the next message only after the previous one is fully
+applied; a commit is durable before the replicator asks for what follows it. With the
+client's rule ("message N is acked when N+1 is requested") an ack therefore never
+runs ahead of the replica.
+
+Threads. The writer's SQLite connection lives on one dedicated worker thread; every
+call goes there (``run_in_executor``), so the event loop keeps serving pings and
+acks while a big transaction is written. Calls are strictly sequential: if an await
+is cancelled, the call still finishes on the thread before the next one starts
+(the executor is first-in, first-out), and :meth:`Replicator.close` rolls back
+whatever transaction was left open.
+
+A change the writer rejects (:class:`~app.replica.errors.ReplicaError`) ends
+:meth:`Replicator.consume` with that error, the transaction rolled back: applying
+the stream further would skip a change. ``control`` messages (in-process streams
+straight from a change source) mean the replica must be re-synced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any, ParamSpec, Self, TypeVar
+
+from app.protocol.downstream import DownstreamStatus
+from app.protocol.messages import Begin, Commit, Control, Data, Rollback, Status
+from app.replica.errors import ReplicaError, ResyncRequiredError
+from app.replica.writer import CommitResult, ReplicaWriter, WriterMode
+
+__all__ = ["ReplicaMessage", "Replicator"]
+
+log = logging.getLogger(__name__)
+
+ReplicaMessage = DownstreamStatus | Status | Begin | Data | Commit | Rollback | Control
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Replicator:
+    """Applies downstream messages to one replica file.
+
+    Use as ``async with Replicator(path) as replicator: await replicator.consume(msgs)``.
+    ``on_commit`` is called (on the event loop) after every durable commit.
+    """
+
+    def __init__(
+        self,
+        replica_file: str | Path,
+        *,
+        mode: WriterMode = "serving",
+        on_commit: Callable[[CommitResult], None] | None = None,
+    ) -> None:
+        self._path = replica_file
+        self._mode: WriterMode = mode
+        self._on_commit = on_commit
+        self._executor: ThreadPoolExecutor | None = None
+        self._writer: ReplicaWriter | None = None
+        self.last_lag_report: dict[str, Any] | None = None
+        self.commits = 0
+
+    async def open(self) -> None:
+        if self._writer is not None:
+            return
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-writer")
+        try:
+            self._writer = await self._call(ReplicaWriter, self._path, mode=self._mode)
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+            raise
+
+    async def close(self) -> None:
+        """Rolls back an open transaction and closes the file (idempotent)."""
+        writer, executor = self._writer, self._executor
+        self._writer = None
+        self._executor = None
+        if executor is None:
+            return
+        try:
+            if writer is not None:
+                # Shielded: closing must finish even if the caller is being cancelled.
+                await asyncio.shield(
+                    asyncio.get_running_loop().run_in_executor(executor, writer.close)
+                )
+        finally:
+            executor.shutdown(wait=False)
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @property
+    def writer(self) -> ReplicaWriter:
+        if self._writer is None:
+            raise ReplicaError("the replicator is not open")
+        return self._writer
+
+    @property
+    def watermark(self) -> str:
+        """The last applied commit watermark: where a subscription resumes."""
+        return self.writer.state_version
+
+    @property
+    def replica_version(self) -> str:
+        return self.writer.replica_version
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.writer.in_transaction
+
+    async def apply(self, message: ReplicaMessage) -> CommitResult | None:
+        """Applies one message; returns the commit's result for a ``commit``."""
+        writer = self.writer
+        if isinstance(message, Data):
+            await self._call(writer.apply, message.body)
+        elif isinstance(message, Begin):
+            await self._call(writer.begin, message.commit_watermark, message.body)
+        elif isinstance(message, Commit):
+            result = await self._call(writer.commit, message.watermark, message.body)
+            self.commits += 1
+            if self._on_commit is not None:
+                self._on_commit(result)
+            return result
+        elif isinstance(message, Rollback):
+            await self._call(writer.abort)
+        elif isinstance(message, DownstreamStatus | Status):
+            if message.lag_report is not None:
+                self.last_lag_report = message.lag_report
+        elif isinstance(message, Control):
+            await self._call(writer.abort)
+            raise ResyncRequiredError(
+                f"the change source requires a re-sync ({message.tag}): "
+                f"{message.message or 'no message'}"
+            )
+        else:
+            raise ReplicaError(f"unexpected message {message!r}")
+        return None
+
+    async def consume(self, messages: AsyncIterable[ReplicaMessage]) -> int:
+        """Applies messages until the stream ends; returns the number of commits.
+
+        A transaction still open when the stream ends (or fails) is rolled back: the
+        next subscription resends it whole.
+        """
+        commits = 0
+        try:
+            async for message in messages:
+                if await self.apply(message) is not None:
+                    commits += 1
+        finally:
+            if self._writer is not None and self._executor is not None:
+                await asyncio.shield(self._call(self._writer.abort))
+        return commits
+
+    async def _call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        if self._executor is None:
+            raise ReplicaError("the replicator is not open")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))

@@ -1,0 +1,118 @@
+"""A standalone replicator: keeps a replica file in step with a change-streamer.
+
+:func:`run_replicator` is zero's incremental syncer in small: read the replica's
+replicaVersion and stateVersion, subscribe from there over the websocket client, apply
+what arrives (:class:`~app.replica.replicator.Replicator`), and after a lost connection
+subscribe again from the replica's new position, waiting per
+:class:`~app.sources.backoff.Backoff` (25 ms doubling to 10 s, reset after a session
+that committed something). It returns when ``stop`` is set.
+
+What ends it with an error instead of a retry:
+
+* ``WrongReplicaVersion`` or ``WatermarkTooOld`` from the server →
+  :class:`~app.replica.errors.ResyncRequiredError`: the change-streamer cannot serve
+  this replica any more; it has to be synced anew (or restored from a newer backup);
+* a change the writer cannot apply → :class:`~app.replica.errors.ReplicaError`
+  (retrying would meet the same change).
+
+Other in-band errors (a subscriber dropped for lagging) and every connection failure
+are retried, as are 1002 closes (zero's replicator retries those too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from app.client import (
+    ChangeStreamerClient,
+    ChangeStreamerError,
+    ClientError,
+    SubscriptionContext,
+    WatermarkTooOldError,
+    WrongReplicaVersionError,
+)
+from app.replica.errors import ResyncRequiredError
+from app.replica.replicator import Replicator
+from app.replica.writer import CommitResult
+from app.sources.backoff import Backoff
+
+__all__ = ["run_replicator"]
+
+log = logging.getLogger(__name__)
+
+
+async def run_replicator(
+    url: str,
+    replica_file: str | Path,
+    *,
+    subscriber_id: str,
+    mode: Literal["serving", "backup"] = "serving",
+    stop: asyncio.Event,
+    task_id: str | None = None,
+    backoff: Backoff | None = None,
+    on_commit: Callable[[CommitResult], None] | None = None,
+    client: ChangeStreamerClient | None = None,
+) -> None:
+    """Replicates into ``replica_file`` until ``stop`` is set (see the module docstring)."""
+    client = client or ChangeStreamerClient(url)
+    delays = backoff or Backoff()
+    async with Replicator(replica_file, mode=mode, on_commit=on_commit) as replicator:
+        initial_watermark = replicator.watermark
+        while not stop.is_set():
+            ctx = SubscriptionContext(
+                id=subscriber_id,
+                replica_version=replicator.replica_version,
+                watermark=replicator.watermark,
+                mode=mode,
+                task_id=task_id,
+                initial=replicator.watermark == initial_watermark,
+            )
+            session = asyncio.create_task(_session(client, ctx, replicator))
+            try:
+                commits = await _unless_stopped(session, stop)
+            except (WrongReplicaVersionError, WatermarkTooOldError) as e:
+                raise ResyncRequiredError(
+                    f"replica {replica_file} (version {ctx.replica_version}, at "
+                    f"{ctx.watermark}) must be re-synced: {e}"
+                ) from e
+            except ChangeStreamerError as e:
+                log.warning("change-streamer error, resubscribing: %s", e)
+                commits = 0
+            except ClientError as e:
+                log.info("replication connection ended (%s); resubscribing", e)
+                commits = 0
+            if commits is None:  # stopped
+                return
+            if commits:
+                delays.reset()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delays.next_delay())
+
+
+async def _session(
+    client: ChangeStreamerClient, ctx: SubscriptionContext, replicator: Replicator
+) -> int:
+    subscription = await client.subscribe(ctx)
+    async with subscription:
+        return await replicator.consume(subscription)
+
+
+async def _unless_stopped(session: asyncio.Task[int], stop: asyncio.Event) -> int | None:
+    """The session's result, or None if ``stop`` was set first (the session is cancelled)."""
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({session, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not session.done():
+            session.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await session
+    if session.cancelled():
+        return None
+    return session.result()
