@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 # lock_timeout fires a second earlier so Postgres ends the walsender itself rather than
 # leaving an orphan that pins WAL with an active (undroppable) slot.
 CREATE_SLOT_TIMEOUT_S: Final = 30.0
-_LOCK_TIMEOUT_MS: Final = 29_000
 
 _DROP_ATTEMPTS: Final = 100  # x 20 ms: a terminated walsender normally exits in a few ms
 _DROP_RETRY_S: Final = 0.02
@@ -226,7 +225,8 @@ async def _create_slot(
 ) -> tuple[str, str, str]:
     # Replication connections only speak the simple query protocol: no parameters.
     # ``name`` is built from a checked app ID, a number and letters.
-    await repl.execute(f"SET lock_timeout = {_LOCK_TIMEOUT_MS}".encode())
+    lock_timeout_ms = int(max(timeout_s - 1.0, timeout_s / 2) * 1000)  # 29 s for 30 s
+    await repl.execute(f"SET lock_timeout = {lock_timeout_ms}".encode())
     # Without options PG15 exports a snapshot (EXPORT_SNAPSHOT is the default).
     command = pgsql.SQL("CREATE_REPLICATION_SLOT {} LOGICAL pgoutput").format(
         pgsql.Identifier(name)
