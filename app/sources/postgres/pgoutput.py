@@ -382,7 +382,11 @@ def _relation(data: bytes) -> tuple[Relation, int]:
 
 
 def _tuple(data: bytes, pos: int) -> tuple[TupleData, int]:
-    """Read TupleData at ``pos``; the hot loop of the whole decoder."""
+    """Read TupleData at ``pos``; the hot loop of the whole decoder.
+
+    Bounds are checked by the reads themselves (``IndexError``, ``struct.error``):
+    a ``try`` costs nothing in 3.11 until something raises, and that is rare.
+    """
     if pos + 2 > len(data):
         raise _Truncated(pos, "tuple column count")
     (ncols,) = _I16.unpack_from(data, pos)
@@ -391,36 +395,39 @@ def _tuple(data: bytes, pos: int) -> tuple[TupleData, int]:
     unpack_len = _I32.unpack_from
     values: list[TupleValue] = []
     append = values.append
-    for _ in range(ncols):
-        if pos >= size:
-            raise _Truncated(pos, "tuple column kind")
-        kind = data[pos]
-        if kind == 0x74:  # t
-            if pos + 5 > size:
-                raise _Truncated(pos + 1, "column value length")
-            (n,) = unpack_len(data, pos + 1)
-            start = pos + 5
-            pos = start + n
-            if n < 0 or pos > size:
-                raise _Truncated(start, f"column value of {n} bytes")
-            append(data[start:pos].decode("utf-8", "replace"))
-        elif kind == 0x6E:  # n
-            pos += 1
-            append(None)
-        elif kind == 0x75:  # u
-            pos += 1
-            append(UNCHANGED_TOAST)
-        elif kind == 0x62:  # b
-            if pos + 5 > size:
-                raise _Truncated(pos + 1, "column value length")
-            (n,) = unpack_len(data, pos + 1)
-            start = pos + 5
-            pos = start + n
-            if n < 0 or pos > size:
-                raise _Truncated(start, f"column value of {n} bytes")
-            append(data[start:pos])
-        else:
-            raise PgOutputError(f"unknown tuple column kind {bytes([kind])!r} at offset {pos}")
+    try:
+        for _ in range(ncols):
+            kind = data[pos]
+            if kind == 0x74:  # t
+                (n,) = unpack_len(data, pos + 1)
+                start = pos + 5
+                pos = start + n
+                if n < 0 or pos > size:
+                    raise _Truncated(start, f"column value of {n} bytes")
+                chunk = data[start:pos]
+                try:
+                    append(chunk.decode())  # strict UTF-8 without arguments is the fast call
+                except UnicodeDecodeError:
+                    append(chunk.decode("utf-8", "replace"))
+            elif kind == 0x6E:  # n
+                pos += 1
+                append(None)
+            elif kind == 0x75:  # u
+                pos += 1
+                append(UNCHANGED_TOAST)
+            elif kind == 0x62:  # b
+                (n,) = unpack_len(data, pos + 1)
+                start = pos + 5
+                pos = start + n
+                if n < 0 or pos > size:
+                    raise _Truncated(start, f"column value of {n} bytes")
+                append(data[start:pos])
+            else:
+                raise PgOutputError(f"unknown tuple column kind {bytes([kind])!r} at offset {pos}")
+    except IndexError:
+        raise _Truncated(pos, "tuple column kind") from None
+    except struct.error:
+        raise _Truncated(pos + 1, "column value length") from None
     return tuple(values), pos
 
 
