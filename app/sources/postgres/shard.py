@@ -185,7 +185,10 @@ async def setup_shard(conn: psycopg.AsyncConnection[Any], cfg: ShardConfig) -> I
     Idempotent: a second run changes nothing. If the stored publications differ from
     the requested ones (or one of them is gone), the shard is dropped and set up again.
     Then the published tables are validated (:func:`check_published_tables`).
+    ``conn`` must be in autocommit mode: the setup commits its own transactions.
     """
+    if not conn.autocommit:
+        raise ValueError("setup_shard needs an autocommit connection")
     for pub in cfg.publications:
         check_publication_name(pub)
     await check_upstream(conn)

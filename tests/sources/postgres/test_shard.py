@@ -102,6 +102,12 @@ async def test_this_server_passes_the_upstream_checks(conn: psycopg.AsyncConnect
     assert await check_upstream(conn) >= 150000
 
 
+async def test_setup_needs_an_autocommit_connection(db_url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(db_url) as conn:
+        with pytest.raises(ValueError, match="autocommit"):
+            await setup_shard(conn, CFG)
+
+
 async def test_setup_creates_the_shard_objects(conn: psycopg.AsyncConnection[Any]) -> None:
     internal = await setup_shard(conn, CFG)
 
