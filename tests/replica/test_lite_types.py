@@ -166,5 +166,5 @@ def test_create_index_text_matches_zero() -> None:
     )
     assert (
         create_index_statement("i", "t", {"a": "ASC"}, unique=False)
-        == 'CREATE  INDEX "i" ON "t" ("a" ASC);'
+        == 'CREATE INDEX "i" ON "t" ("a" ASC);'
     )
