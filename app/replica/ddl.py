@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Final
 
 from app.replica.errors import ReplicaError, UnsupportedColumnDefaultError
@@ -158,7 +158,3 @@ def create_index_statement(
     return (
         f"CREATE {'UNIQUE ' if unique else ''}INDEX {quote_id(name)} ON {quote_id(table)} ({cols});"
     )
-
-
-def with_pos(column: LiteColumn, pos: float) -> LiteColumn:
-    return replace(column, pos=pos)
