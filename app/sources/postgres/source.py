@@ -1,0 +1,336 @@
+"""The Postgres change source: a logical replication slot read with pgoutput.
+
+``PostgresChangeSource.start_stream`` takes the slot over (ending whatever backend
+holds it), starts replication one byte after the durable watermark's LSN (starting
+*at* a commit LSN would send that transaction again, spec/source.md §5.3) and
+returns a :class:`PostgresChangeStream`.
+
+The stream has two halves on one socket:
+
+* the reader, the async iterator the service consumes: frames → pgoutput messages
+  → change-source messages (``mapper``); keepalives become ``status`` messages (only
+  the ones that ask for a reply are forwarded, so their echo comes back after every
+  preceding commit is stored);
+* the writer, a task that sends standby status updates: the positions
+  :class:`~app.sources.postgres.standby.StandbyAcker` allows, and a manual
+  keepalive when nothing was sent for 75 % of ``wal_sender_timeout``.
+
+Liveness: no inbound frame for 2 × ``wal_sender_timeout`` (while we are waiting
+for one; a slow consumer is back pressure, not silence) ends the stream with an
+error, and the service reconnects with backoff.
+
+A change that cannot be mapped (an unsupported schema change, a value that does not
+parse) ends replication the reference's way: ``rollback``, then ``control
+reset-required`` with the LSN and the reason, then nothing more from this stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import psycopg
+
+from app.protocol.lexi import parse_state_version, to_lexi
+from app.protocol.messages import ChangeSourceMessage, Control, Rollback, Status
+from app.sources.base import BackfillRequest, ChangeSource, ChangeSourceError, ChangeStream
+from app.sources.postgres.connection import (
+    ReplicationConnection,
+    ReplicationStreamEnded,
+    StartReplicationError,
+)
+from app.sources.postgres.mapper import ChangeMapper, MappingError, ShardId
+from app.sources.postgres.pgoutput import (
+    PrimaryKeepalive,
+    Relation,
+    XLogData,
+    decode_message,
+    format_lsn,
+    parse_copy_data,
+    standby_status_update,
+)
+from app.sources.postgres.standby import StandbyAcker
+from app.sources.postgres.values import TypeRegistry, load_type_registry
+
+__all__ = ["PostgresChangeSource", "PostgresChangeStream", "PostgresSourceOptions"]
+
+log = logging.getLogger(__name__)
+
+# START_REPLICATION right after ending the slot's previous holder can still see it
+# active for a moment (55006); the reference retries 6 times, 10 ms apart.
+SLOT_BUSY_RETRIES: Final = 6
+SLOT_BUSY_DELAY_S: Final = 0.01
+# When wal_sender_timeout is 0 (disabled) we still wake up this often.
+DEFAULT_POLL_S: Final = 5.0
+# A timer may fire a hair early; a keepalive that is this close to due is sent.
+KEEPALIVE_SLACK_S: Final = 0.005
+
+
+@dataclass(frozen=True, slots=True)
+class PostgresSourceOptions:
+    app_id: str
+    shard_num: int
+    publications: tuple[str, ...]
+    slot: str
+    ddl_detection: bool = True
+    # The published schema at initial sync; compared against relations when DDL
+    # detection is off (degraded mode).
+    initial_schema: dict[str, Any] | None = None
+    # Overrides 2 × wal_sender_timeout as the inbound-silence limit.
+    silence_timeout_s: float | None = None
+
+
+class PostgresChangeSource(ChangeSource):
+    def __init__(self, upstream_url: str, options: PostgresSourceOptions) -> None:
+        self._url = upstream_url
+        self._options = options
+        self._registry: TypeRegistry | None = None
+
+    async def start_stream(
+        self, after_watermark: str, backfill_requests: list[BackfillRequest]
+    ) -> ChangeStream:
+        if backfill_requests:
+            # We never create backfills (schema changes that would need one end in
+            # reset-required), so a request here comes from someone else's change DB.
+            raise ChangeSourceError(
+                f"backfill requests are not supported by this source: {backfill_requests!r}"
+            )
+        opts = self._options
+        async with await psycopg.AsyncConnection.connect(self._url, autocommit=True) as conn:
+            registry = self._registry = await load_type_registry(conn)
+            wal_sender_timeout_s = await _wal_sender_timeout_s(conn)
+            await _take_over_slot(conn, opts.slot)
+        start_lsn = parse_state_version(after_watermark).major + 1
+        replication = await ReplicationConnection.connect(self._url)
+        try:
+            reset = await _start(replication, opts.slot, start_lsn, opts.publications)
+        except BaseException:
+            await replication.close()
+            raise
+        mapper = ChangeMapper(
+            ShardId(opts.app_id, opts.shard_num),
+            registry,
+            ddl_detection=opts.ddl_detection,
+            initial_schema=opts.initial_schema,
+        )
+        stream = PostgresChangeStream(
+            replication,
+            mapper,
+            url=self._url,
+            wal_sender_timeout_s=wal_sender_timeout_s,
+            silence_timeout_s=opts.silence_timeout_s,
+        )
+        if reset is not None:
+            stream.fail_with_reset(reset, start_lsn)
+        log.info(
+            "replicating slot %s from %s (after %s)",
+            opts.slot,
+            format_lsn(start_lsn),
+            after_watermark,
+        )
+        return stream
+
+
+class PostgresChangeStream(ChangeStream):
+    def __init__(
+        self,
+        replication: ReplicationConnection,
+        mapper: ChangeMapper,
+        *,
+        url: str,
+        wal_sender_timeout_s: float,
+        silence_timeout_s: float | None = None,
+    ) -> None:
+        self._replication = replication
+        self._mapper = mapper
+        self._url = url
+        self._acker = StandbyAcker()
+        self._closed = asyncio.Event()
+        self._send_wakeup = asyncio.Event()
+        self._reset: list[ChangeSourceMessage] | None = None
+        if wal_sender_timeout_s > 0:
+            self._poll_s = wal_sender_timeout_s * 0.15
+            self._keepalive_s: float | None = wal_sender_timeout_s * 0.75
+            default_silence: float | None = wal_sender_timeout_s * 2
+        else:
+            self._poll_s = DEFAULT_POLL_S
+            self._keepalive_s = None
+            default_silence = None
+        self._silence_s = silence_timeout_s if silence_timeout_s is not None else default_silence
+        self._writer = asyncio.create_task(self._write_loop(), name="pg-standby-writer")
+
+    # -- ChangeStream ---------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[ChangeSourceMessage]:
+        return self._read()
+
+    def ack(self, status: list[Any]) -> None:
+        watermark = status[2]["watermark"]
+        self._acker.on_ack(watermark)
+        self._send_wakeup.set()
+
+    async def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._writer
+        await self._replication.close()
+
+    # -- reading --------------------------------------------------------
+
+    def fail_with_reset(self, reason: str, lsn: int) -> None:
+        self._reset = _reset_messages(reason, lsn)
+
+    async def _read(self) -> AsyncIterator[ChangeSourceMessage]:
+        if self._reset is not None:
+            for m in self._reset:
+                yield m
+            await self._closed.wait()
+            return
+        last_inbound = time.monotonic()
+        while not self._closed.is_set():
+            frame = await self._replication.read_frame(self._poll_s)
+            if frame is None:
+                if self._writer.done():
+                    self._writer.result()  # raises the writer's failure
+                silent = time.monotonic() - last_inbound
+                if self._silence_s is not None and silent > self._silence_s:
+                    raise ChangeSourceError(
+                        f"no message from Postgres for {silent:.0f} s "
+                        f"(limit {self._silence_s:.0f} s); reconnecting"
+                    )
+                continue
+            last_inbound = time.monotonic()
+            copy = parse_copy_data(frame)
+            if isinstance(copy, PrimaryKeepalive):
+                status = self._on_keepalive(copy)
+                if status is not None:
+                    yield status
+                continue
+            assert isinstance(copy, XLogData)
+            out = await self._map(copy)
+            for message in out:
+                yield message
+            if self._resetting():
+                await self._swallow()
+                return
+
+    def _resetting(self) -> bool:
+        return self._reset is not None
+
+    def _on_keepalive(self, k: PrimaryKeepalive) -> Status | None:
+        if k.reply_requested:
+            # Forwarded: the service echoes it once everything before it is stored.
+            return Status({"ack": True}, to_lexi(k.wal_end), True, None)
+        self._acker.on_idle_keepalive(k.wal_end)
+        self._send_wakeup.set()
+        return None
+
+    async def _map(self, x: XLogData) -> list[ChangeSourceMessage]:
+        try:
+            message = decode_message(x.payload)
+            if isinstance(message, Relation) and self._mapper.needs_types(message):
+                async with await psycopg.AsyncConnection.connect(self._url) as conn:
+                    self._mapper.registry = await load_type_registry(conn)
+            out = self._mapper.map(message)
+        except MappingError as e:
+            self._reset = _reset_messages(str(e), x.wal_start, e.details)
+            log.error("unable to continue replication from %s: %s", format_lsn(x.wal_start), e)
+            return self._reset
+        for m in out:
+            if m.kind == "begin":
+                self._acker.on_begin(m.commit_watermark, skip_ack=m.skip_ack)
+        return out
+
+    async def _swallow(self) -> None:
+        """After reset-required nothing more is sent; keep the socket drained until closed."""
+        while not self._closed.is_set():
+            try:
+                await self._replication.read_frame(DEFAULT_POLL_S)
+            except ReplicationStreamEnded:
+                await self._closed.wait()
+                return
+
+    # -- writing --------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        last_sent = time.monotonic()
+        while True:
+            # Wait until an ack is due or the manual keepalive is; the deadline is
+            # absolute, so wakeups for nothing do not push the keepalive back.
+            timeout: float | None = None
+            if self._keepalive_s is not None:
+                timeout = max(0.0, last_sent + self._keepalive_s - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._send_wakeup.wait(), timeout)
+            self._send_wakeup.clear()
+            lsn = self._acker.take()
+            keepalive_due = (
+                self._keepalive_s is not None
+                and time.monotonic() >= last_sent + self._keepalive_s - KEEPALIVE_SLACK_S
+            )
+            if lsn is None and not keepalive_due:
+                continue
+            # LSN 0 is invalid, so a keepalive moves nothing; it only resets the
+            # sender's timeout (spec/source.md §3, step 5).
+            frame = standby_status_update(lsn or 0, now_unix_us=time.time_ns() // 1000)
+            await self._replication.send_frame(frame)
+            last_sent = time.monotonic()
+
+
+def _reset_messages(
+    reason: str, lsn: int, details: dict[str, Any] | None = None
+) -> list[ChangeSourceMessage]:
+    message = f"Unable to continue replication from LSN {format_lsn(lsn)}"
+    error_details: dict[str, Any] = {"error": message, **(details or {"reason": reason})}
+    body = {"tag": "reset-required", "message": message, "errorDetails": error_details}
+    return [Rollback({"tag": "rollback"}), Control(body)]
+
+
+async def _wal_sender_timeout_s(conn: psycopg.AsyncConnection[Any]) -> float:
+    cur = await conn.execute("SELECT setting FROM pg_settings WHERE name = 'wal_sender_timeout'")
+    row = await cur.fetchone()
+    return int(row[0]) / 1000 if row is not None else 0.0
+
+
+async def _take_over_slot(conn: psycopg.AsyncConnection[Any], slot: str) -> None:
+    """Ends the backend holding the slot (a previous run of ours, or another node)."""
+    cur = await conn.execute(
+        "SELECT active_pid, pg_terminate_backend(active_pid) "
+        "FROM pg_replication_slots WHERE slot_name = %s",
+        (slot,),
+    )
+    row = await cur.fetchone()
+    if row is None:
+        raise ChangeSourceError(
+            f"replication slot {slot} does not exist; "
+            "a different replication-manager may now be running, or the replica must be reset"
+        )
+    if row[0] is not None:
+        log.info("ended backend %s that held replication slot %s", row[0], slot)
+
+
+async def _start(
+    replication: ReplicationConnection, slot: str, start_lsn: int, publications: Sequence[str]
+) -> str | None:
+    """Starts replication; returns a reason when the slot can never serve us again."""
+    for attempt in range(SLOT_BUSY_RETRIES):
+        try:
+            await replication.start_replication(slot, start_lsn, publications)
+            return None
+        except StartReplicationError as e:
+            if e.sqlstate == "55006" and attempt + 1 < SLOT_BUSY_RETRIES:
+                await asyncio.sleep(SLOT_BUSY_DELAY_S)
+                continue
+            if e.sqlstate == "55000":
+                # Object not in prerequisite state: the slot was invalidated.
+                return f"replication slot {slot} can no longer be used: {e}"
+            raise
+    raise AssertionError("unreachable")
