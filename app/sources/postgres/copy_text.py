@@ -32,7 +32,7 @@ class CopyFormatError(ValueError):
     """A line that is not COPY text format."""
 
 
-def parse_copy_line(line: bytes | memoryview, n_columns: int) -> list[str | None]:
+def parse_copy_line(line: bytes | bytearray | memoryview, n_columns: int) -> list[str | None]:
     """One row: ``None`` for NULL, the unescaped text otherwise."""
     text = bytes(line).decode("utf-8")
     if text.endswith("\n"):

@@ -1,0 +1,414 @@
+"""Initial sync: a new SQLite replica from a Postgres snapshot (spec/source.md §6.1).
+
+1. Check the upstream and set the shard up (publications, triggers).
+2. Create the slot on a replication connection; it exports a snapshot whose point is
+   exactly where the slot's stream starts, so copy + stream miss and repeat nothing.
+   ``replicaVersion`` = LexiVersion of the slot's consistent point.
+3. Read the published schema inside that snapshot and create the replica's tables
+   (each with ``_0_version`` defaulting to the replica version) and column metadata.
+4. Copy every table with ``COPY (SELECT …) TO STDOUT`` (text format, see
+   :mod:`~app.sources.postgres.copy_text`) from parallel workers that each import the
+   snapshot. Values go through the same parsers as the stream, then into SQLite.
+   One thread owns the SQLite connection; workers hand it bounded batches.
+5. Create the unique indexes, commit, record the synced schema in ``replicas``.
+
+The replica is built in ``<file>.syncing`` and renamed into place only when it is
+complete, so a failed sync leaves no half-made replica; the slot is dropped too.
+Progress (rows, bytes, rate, ETA per large table) is logged every few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import psycopg
+from psycopg import sql as pgsql
+
+from app.replica import metadata
+from app.replica.ddl import (
+    create_index_statement,
+    create_table_statement,
+    lite_table_columns,
+    lite_table_name,
+    quote_id,
+)
+from app.replica.lite_types import JSON_STRINGIFIED, lite_value
+from app.replica.schema import init_replica, open_replica
+from app.sources.postgres.copy_text import parse_copy_line
+from app.sources.postgres.published import PublishedSchema, TableSpec, published_schema
+from app.sources.postgres.shard import ShardConfig, check_published_tables, setup_shard
+from app.sources.postgres.slots import CreatedSlot, create_replication_slot, drop_slot
+from app.sources.postgres.slots import record_initial_sync as record_sync
+from app.sources.postgres.values import TypeRegistry, load_type_registry
+
+__all__ = ["InitialSyncError", "SyncResult", "initial_sync", "remove_replica_files"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WORKERS: Final = 3
+BATCH_ROWS: Final = 2_000
+# Batches waiting for the SQLite thread; bounds memory when Postgres outruns SQLite.
+MAX_QUEUED_BATCHES: Final = 8
+PROGRESS_EVERY_S: Final = 5.0
+# A table is worth progress lines above this many estimated rows.
+LARGE_TABLE_ROWS: Final = 100_000
+
+T = TypeVar("T")
+
+
+class InitialSyncError(Exception):
+    """The sync failed; nothing was left behind (slot dropped, partial file removed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncResult:
+    replica_version: str
+    slot: str
+    replica_id: str
+    publications: tuple[str, ...]
+    ddl_detection: bool
+    initial_schema: PublishedSchema
+    rows: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class _Progress:
+    table: str
+    estimated_rows: int
+    rows: int = 0
+    bytes: int = 0
+    started: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+
+def remove_replica_files(path: Path) -> None:
+    """Deletes a replica file and its WAL/shared-memory companions."""
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f"{path}{suffix}")
+
+
+async def initial_sync(
+    upstream_url: str,
+    cfg: ShardConfig,
+    replica_file: Path,
+    *,
+    workers: int = DEFAULT_WORKERS,
+) -> SyncResult:
+    """Builds ``replica_file`` from the upstream; replaces an existing one only on success."""
+    started = time.monotonic()
+    async with await psycopg.AsyncConnection.connect(upstream_url, autocommit=True) as conn:
+        internal = await setup_shard(conn, cfg)
+        registry = await load_type_registry(conn)
+    publications = tuple(sorted(internal.publications))
+    log.info("upstream is set up with publications %s", list(publications))
+    slot = await create_replication_slot(upstream_url, cfg)
+    log.info(
+        "created replication slot %s at %s (replica version %s)",
+        slot.slot_name,
+        slot.consistent_point,
+        slot.replica_version,
+    )
+    staging = replica_file.with_name(replica_file.name + ".syncing")
+    remove_replica_files(staging)
+    try:
+        schema, rows = await _copy_into(
+            upstream_url, slot, publications, registry, staging, workers
+        )
+        context = _server_context()
+        async with await psycopg.AsyncConnection.connect(upstream_url, autocommit=True) as conn:
+            await record_sync(conn, cfg, slot.replica_id, schema, context)
+    except BaseException as e:
+        await slot.close()
+        remove_replica_files(staging)
+        await drop_slot(upstream_url, slot.slot_name)
+        if isinstance(e, Exception) and not isinstance(e, InitialSyncError):
+            raise InitialSyncError(f"initial sync failed: {e}") from e
+        raise
+    await slot.close()
+    remove_replica_files(replica_file)
+    os.replace(staging, replica_file)
+    seconds = time.monotonic() - started
+    log.info(
+        "initial sync done: %d rows in %d tables in %.1f s (%.0f rows/s), replica version %s",
+        rows,
+        len(schema["tables"]),
+        seconds,
+        rows / seconds if seconds > 0 else 0,
+        slot.replica_version,
+    )
+    return SyncResult(
+        replica_version=slot.replica_version,
+        slot=slot.slot_name,
+        replica_id=slot.replica_id,
+        publications=publications,
+        ddl_detection=internal.ddl_detection,
+        initial_schema=schema,
+        rows=rows,
+        seconds=seconds,
+    )
+
+
+async def _copy_into(
+    upstream_url: str,
+    slot: CreatedSlot,
+    publications: Sequence[str],
+    registry: TypeRegistry,
+    staging: Path,
+    workers: int,
+) -> tuple[PublishedSchema, int]:
+    async with await _snapshot_connection(upstream_url, slot.snapshot_name) as conn:
+        await check_published_tables(conn, publications)
+        schema = await published_schema(conn, publications)
+        estimates = await _estimates(conn, schema["tables"])
+    lite = _LiteThread(staging)
+    try:
+        await lite.run(_create_tables, schema, slot.replica_version, publications)
+        progress = [
+            _Progress(lite_table_name(t["schema"], t["name"]), estimates.get(t["oid"], 0))
+            for t in schema["tables"]
+        ]
+        queue: asyncio.Queue[tuple[str, list[str], list[tuple[Any, ...]]] | None] = asyncio.Queue(
+            MAX_QUEUED_BATCHES
+        )
+        pending = list(zip(schema["tables"], progress, strict=True))
+        n_workers = max(1, min(workers, len(pending)))
+        copiers = [
+            asyncio.create_task(
+                _copy_worker(upstream_url, slot.snapshot_name, pending, queue, registry)
+            )
+            for _ in range(n_workers)
+        ]
+        reporter = asyncio.create_task(_report(progress))
+        try:
+            writer = asyncio.create_task(_drain(queue, lite, n_workers))
+            await asyncio.gather(*copiers, writer)
+        except BaseException:
+            for task in copiers:
+                task.cancel()
+            await asyncio.gather(*copiers, return_exceptions=True)
+            raise
+        finally:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
+        await lite.run(_create_indexes, schema)
+        await lite.run(_commit)
+        return schema, sum(p.rows for p in progress)
+    finally:
+        await lite.close()
+
+
+async def _snapshot_connection(url: str, snapshot: str) -> psycopg.AsyncConnection[Any]:
+    conn = await psycopg.AsyncConnection.connect(url)
+    try:
+        await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        await conn.execute(pgsql.SQL("SET TRANSACTION SNAPSHOT {}").format(pgsql.Literal(snapshot)))
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+async def _estimates(conn: psycopg.AsyncConnection[Any], tables: list[TableSpec]) -> dict[int, int]:
+    oids = [t["oid"] for t in tables]
+    if not oids:
+        return {}
+    cur = await conn.execute(
+        "SELECT oid::int8, greatest(reltuples, 0)::int8 FROM pg_class WHERE oid = ANY(%s)",
+        (oids,),
+    )
+    return {int(oid): int(n) for oid, n in await cur.fetchall()}
+
+
+async def _copy_worker(
+    url: str,
+    snapshot: str,
+    pending: list[tuple[TableSpec, _Progress]],
+    queue: asyncio.Queue[tuple[str, list[str], list[tuple[Any, ...]]] | None],
+    registry: TypeRegistry,
+) -> None:
+    try:
+        async with await _snapshot_connection(url, snapshot) as conn:
+            while pending:
+                table, progress = pending.pop(0)
+                await _copy_table(conn, table, progress, queue, registry)
+    finally:
+        await queue.put(None)  # this worker is done
+
+
+async def _copy_table(
+    conn: psycopg.AsyncConnection[Any],
+    table: TableSpec,
+    progress: _Progress,
+    queue: asyncio.Queue[tuple[str, list[str], list[tuple[Any, ...]]] | None],
+    registry: TypeRegistry,
+) -> None:
+    name = progress.table
+    progress.started = time.monotonic()
+    columns = sorted(table["columns"].items(), key=lambda kv: kv[1]["pos"])
+    names = [c for c, _ in columns]
+    lite_columns = lite_table_columns(name, table["columns"])
+    converters = [
+        _converter(registry, spec["typeOID"], lite_columns[col].data_type) for col, spec in columns
+    ]
+    if not names:
+        progress.done = True  # SQLite has no zero-column tables; nothing to copy
+        return
+    select = pgsql.SQL("COPY (SELECT {} FROM {}.{}) TO STDOUT").format(
+        pgsql.SQL(", ").join(pgsql.Identifier(c) for c in names),
+        pgsql.Identifier(table["schema"]),
+        pgsql.Identifier(table["name"]),
+    )
+    batch: list[tuple[Any, ...]] = []
+    n = len(names)
+    async with conn.cursor().copy(select) as copy:
+        async for data in copy:
+            progress.bytes += len(data)
+            fields = parse_copy_line(data, n)
+            row = tuple(
+                f if f is None else conv(f) for conv, f in zip(converters, fields, strict=True)
+            )
+            batch.append(row)
+            if len(batch) >= BATCH_ROWS:
+                progress.rows += len(batch)
+                await queue.put((name, names, batch))
+                batch = []
+    progress.rows += len(batch)
+    if batch:
+        await queue.put((name, names, batch))
+    progress.done = True
+
+
+def _converter(registry: TypeRegistry, type_oid: int, lite_type: str) -> Callable[[str], Any]:
+    parse = registry.parser(type_oid, json_as_string=True)
+
+    def convert(text: str) -> Any:
+        return lite_value(parse(text), lite_type, JSON_STRINGIFIED)
+
+    return convert
+
+
+async def _drain(
+    queue: asyncio.Queue[tuple[str, list[str], list[tuple[Any, ...]]] | None],
+    lite: _LiteThread,
+    workers: int,
+) -> None:
+    remaining = workers
+    while remaining:
+        item = await queue.get()
+        if item is None:
+            remaining -= 1
+            continue
+        await lite.run(_insert, *item)
+
+
+async def _report(progress: list[_Progress]) -> None:
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY_S)
+        for p in progress:
+            if p.done or p.rows == 0 or p.estimated_rows < LARGE_TABLE_ROWS:
+                continue
+            elapsed = time.monotonic() - p.started
+            rate = p.rows / elapsed if elapsed > 0 else 0.0
+            left = max(p.estimated_rows - p.rows, 0)
+            eta = f"{left / rate:.0f} s" if rate > 0 else "?"
+            log.info(
+                "initial sync: %s: %d of ~%d rows, %.1f MB, %.0f rows/s, ETA %s",
+                p.table,
+                p.rows,
+                p.estimated_rows,
+                p.bytes / 1e6,
+                rate,
+                eta,
+            )
+
+
+# -- the SQLite side, all on one thread ------------------------------------------
+
+
+class _LiteThread:
+    """One thread owns the replica's connection; every call runs there, in order."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="initial-sync-sqlite")
+        self._conn: sqlite3.Connection | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._call, fn, args)
+
+    def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        if self._conn is None:
+            self._conn = open_replica(self._path, create=True)
+            self._conn.execute("BEGIN IMMEDIATE")
+        return fn(self._conn, *args)
+
+    async def close(self) -> None:
+        def close() -> None:
+            if self._conn is not None:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                self._conn.close()
+                self._conn = None
+
+        await asyncio.get_running_loop().run_in_executor(self._pool, close)
+        self._pool.shutdown(wait=True)
+
+
+def _create_tables(
+    conn: sqlite3.Connection,
+    schema: PublishedSchema,
+    replica_version: str,
+    publications: Sequence[str],
+) -> None:
+    init_replica(conn, replica_version, publications, _server_context())
+    for t in schema["tables"]:
+        name = lite_table_name(t["schema"], t["name"])
+        columns = lite_table_columns(name, t["columns"], default_version=replica_version)
+        conn.execute(create_table_statement(name, columns))
+        for column, spec in t["columns"].items():
+            metadata.insert_column(conn, name, column, spec, None)
+
+
+def _insert(
+    conn: sqlite3.Connection, table: str, names: list[str], rows: list[tuple[Any, ...]]
+) -> None:
+    cols = ", ".join(quote_id(c) for c in names)
+    marks = ", ".join("?" for _ in names)
+    conn.executemany(f"INSERT INTO {quote_id(table)} ({cols}) VALUES ({marks})", rows)
+
+
+def _create_indexes(conn: sqlite3.Connection, schema: PublishedSchema) -> None:
+    for index in schema["indexes"]:
+        conn.execute(
+            create_index_statement(
+                lite_table_name(index["schema"], index["name"]),
+                lite_table_name(index["schema"], index["tableName"]),
+                index["columns"],
+                unique=index["unique"],
+            )
+        )
+
+
+def _commit(conn: sqlite3.Connection) -> None:
+    conn.execute("COMMIT")
+    # The planner uses the statistics; zero analyzes a freshly synced replica too.
+    conn.execute("ANALYZE")
+
+
+def _server_context() -> dict[str, Any]:
+    return {"app": "changestreamer", "hostname": socket.gethostname(), "pid": os.getpid()}
