@@ -17,8 +17,10 @@ The reference is ``interop/node_modules/.bin/zero-cache`` with
 and CVR DB on Postgres). Ours is ``changestreamer serve`` with its default change
 DB (a SQLite file beside the replica) unless ``--our-change-db postgres``.
 Subscribers run in a separate process (``bench.pg_subscribers``) and ack every
-message; the writer is this process (psycopg, ``synchronous_commit = off`` so the
-writer's own fsyncs do not pace the load).
+message; the writer is this process (psycopg; throughput bursts commit with
+``synchronous_commit = off`` so the writer's own fsyncs do not pace the load, and
+end with a synchronous commit that flushes them all; the paced latency load commits
+synchronously).
 
 Scenarios:
 
@@ -172,8 +174,17 @@ class Writer:
         )
 
     def sentinel(self, sentinel: str) -> None:
-        """A final 1-row transaction whose title the subscribers wait for."""
-        self._conn.execute(self._tx_sql(1, sentinel).encode())
+        """A final 1-row transaction whose title the subscribers wait for.
+
+        Committed synchronously: walsenders only decode flushed WAL, and with
+        ``synchronous_commit = off`` the tail of a burst would wait for the WAL
+        writer (up to ``wal_writer_delay``, 200 ms). A synchronous commit flushes
+        everything before it too.
+        """
+        sql = self._tx_sql(1, sentinel).replace(
+            "BEGIN;", "BEGIN;SET LOCAL synchronous_commit = on;"
+        )
+        self._conn.execute(sql.encode())
 
     def burst(self, transactions: int, rows: int) -> tuple[float, float]:
         """As fast as possible; (wall clock of the first send, seconds taken)."""
@@ -188,14 +199,23 @@ class Writer:
         return started, time.monotonic() - t0
 
     def paced(self, transactions: int, rate: float) -> float:
-        """1-row transactions at ``rate`` per second; the achieved rate."""
-        t0 = time.monotonic()
-        for i in range(transactions):
-            delay = t0 + i / rate - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            self._conn.execute(self._tx_sql(1).encode())
-        return transactions / (time.monotonic() - t0)
+        """1-row transactions at ``rate`` per second; the achieved rate.
+
+        Synchronous commits here (Postgres's default): each commit is flushed, so
+        the walsender can send it at once; asynchronous ones would wait for the WAL
+        writer and measure ``wal_writer_delay`` instead of the change-streamer.
+        """
+        self._conn.execute(b"SET synchronous_commit = on")
+        try:
+            t0 = time.monotonic()
+            for i in range(transactions):
+                delay = t0 + i / rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                self._conn.execute(self._tx_sql(1).encode())
+            return transactions / (time.monotonic() - t0)
+        finally:
+            self._conn.execute(b"SET synchronous_commit = off")
 
 
 # -------------------------------------------------------------- process metrics
