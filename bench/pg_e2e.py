@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -82,7 +83,9 @@ NAMES = {"ours": "ours", "ref": "reference"}
 ZERO_CACHE = ROOT / "interop" / "node_modules" / ".bin" / "zero-cache"
 CHANGESTREAMER = ROOT / ".venv" / "bin" / "changestreamer"
 
+ADMIN_PASSWORD = "hpd-bench"
 READY_TIMEOUT_S = 600.0
+PROFILE_SECONDS = 5
 STOP_TIMEOUT_S = 20.0
 SUBSCRIBER_READY_TIMEOUT_S = 60.0
 # Per point, on top of the writer's time: the service may lag the writer.
@@ -345,6 +348,7 @@ def start_service(impl: str, work: Path, our_change_db: str) -> Service:
         ZERO_APP_ID=app_id,
         ZERO_SHARD_NUM="0",
         ZERO_LOG_LEVEL="info",
+        ZERO_ADMIN_PASSWORD=ADMIN_PASSWORD,
     )
     log_path = work / "service.log"
     log_file = log_path.open("w")
@@ -355,7 +359,6 @@ def start_service(impl: str, work: Path, our_change_db: str) -> Service:
             ZERO_PORT=str(port),
             ZERO_CVR_DB=f"{PG}/{REF_CVR_DB}",
             ZERO_CHANGE_DB=f"{PG}/{REF_CHANGE_DB}",
-            ZERO_ADMIN_PASSWORD="hpd-bench",
             ZERO_ENABLE_TELEMETRY="false",
         )
         cs_port = port + 1
@@ -512,6 +515,7 @@ class Options:
     latency_seconds: float
     subscribers: list[int]
     our_change_db: str
+    profile_ours: Path | None
 
 
 _SYNCED = re.compile(r"Synced ([\d,]+) rows .*total: ([\d.]+) ms")
@@ -520,6 +524,26 @@ _SYNCED = re.compile(r"Synced ([\d,]+) rows .*total: ([\d.]+) ms")
 def _service_sync_ms(log: str) -> float | None:
     match = _SYNCED.search(log)
     return float(match.group(2)) if match else None
+
+
+def capture_profile(service: Service, seconds: int, path: Path) -> threading.Thread:
+    """Fetch ours' ``/profile`` (cProfile of the event loop) in the background."""
+    port = service.ws_url.rsplit(":", 1)[1]
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/profile?seconds={seconds}")
+    token = base64.b64encode(f":{ADMIN_PASSWORD}".encode()).decode()
+    request.add_header("Authorization", f"Basic {token}")
+
+    def fetch() -> None:
+        try:
+            with urllib.request.urlopen(request, timeout=seconds + 30) as r:
+                path.write_bytes(r.read())
+            print(f"  profile of ours written to {path}", flush=True)
+        except OSError as e:
+            print(f"  profile of ours failed: {e}", flush=True)
+
+    thread = threading.Thread(target=fetch, daemon=True)
+    thread.start()
+    return thread
 
 
 def run_point(
@@ -531,15 +555,21 @@ def run_point(
     transactions: int,
     replica_version: str,
     watermark: str,
+    profile: Path | None = None,
 ) -> tuple[dict[str, float], str]:
     """One throughput point; (metrics, the final watermark)."""
     subs = Subscribers(service.ws_url, k, replica_version, watermark)
+    profiler: threading.Thread | None = None
     try:
         expect(subs.wait_event(SUBSCRIBER_READY_TIMEOUT_S), "ready")
         service_cpu0, subs_cpu0 = cpu_seconds(list(sampler.pids)), subs.cpu()
+        if profile is not None:
+            profiler = capture_profile(service, PROFILE_SECONDS, profile)
         started, write_s = writer.burst(transactions, rows)
         writer.sentinel(subs.sentinel)
         done = expect(subs.wait_event(POINT_TIMEOUT_S), "done")
+        if profiler is not None:
+            profiler.join(PROFILE_SECONDS + 35)
         service_cpu = cpu_seconds(list(sampler.pids)) - service_cpu0
         subs_cpu = subs.cpu() - subs_cpu0
     finally:
@@ -610,8 +640,17 @@ def run_impl(impl: str, opts: Options) -> ImplResult:
         if "throughput" in opts.scenarios:
             for rows, transactions in ((1, opts.tx_1row), (100, opts.tx_100row)):
                 for k in opts.subscribers:
+                    profile = opts.profile_ours if impl == "ours" and (rows, k) == (1, 1) else None
                     point, watermark = run_point(
-                        service, sampler, writer, k, rows, transactions, replica_version, watermark
+                        service,
+                        sampler,
+                        writer,
+                        k,
+                        rows,
+                        transactions,
+                        replica_version,
+                        watermark,
+                        profile,
                     )
                     for key, value in point.items():
                         result.metrics[f"tp_{rows}row_k{k}_{key}"] = value
@@ -739,6 +778,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Options]:
     parser.add_argument("--latency-seconds", type=float, help="latency: seconds of load (10)")
     parser.add_argument("--subscribers", default="1,16", help="K values for throughput")
     parser.add_argument("--our-change-db", choices=("sqlite", "postgres"), default="sqlite")
+    parser.add_argument(
+        "--profile-ours",
+        type=Path,
+        help="write a cProfile (marshal) of ours' event loop during 1-row K=1 here",
+    )
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -756,6 +800,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Options]:
         latency_seconds=args.latency_seconds or (2.0 if quick else 10.0),
         subscribers=[int(k) for k in args.subscribers.split(",")],
         our_change_db=args.our_change_db,
+        profile_ours=args.profile_ours,
     )
     return args, opts
 
