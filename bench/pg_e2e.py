@@ -44,6 +44,11 @@ Memory: peak of the summed VmRSS of the service's process tree (ours: one Python
 process; the reference: node and its forked workers), sampled every 100 ms, kept
 separately for the initial sync and the streaming phases. CPU: the service's and
 the subscriber process's CPU seconds per throughput point, to show contention.
+
+Clean-up: the services are stopped by PID (SIGTERM, then SIGKILL for any process
+left of their trees), both apps' slots and the ``hpd_*`` databases are dropped,
+the work directories removed; each service's log is kept as
+``$TMPDIR/hpd_<impl>_service.log`` for reading failures.
 """
 
 from __future__ import annotations
