@@ -12,15 +12,23 @@ import asyncio
 import logging
 import socket
 import sys
-import uuid
 from collections.abc import Sequence
 
 from app.client import add_status_arguments, add_tail_arguments, run_status, run_tail
 from app.config import Settings, SettingsError, load_settings
+from app.replica.errors import ReplicaError
+from app.runtime.options import streamer_options, task_id
+from app.runtime.postgres import (
+    PreparedUpstream,
+    UpstreamSetupError,
+    postgres_service,
+    prepare_upstream,
+)
 from app.server.admin import AdminAuth, check_startup
 from app.server.ws_protocol import LivenessProtocol
 from app.sources.demo import DemoChangeSource
 from app.storage import (
+    AutoResetSignal,
     ChangeDb,
     ChangeDbConfigError,
     ChangeDbSetupError,
@@ -30,12 +38,15 @@ from app.storage import (
     migrate,
     parse_change_db_url,
 )
-from app.streamer.service import ChangeStreamerService, StreamerOptions
+from app.streamer.service import ChangeStreamerService
 
 log = logging.getLogger("changestreamer")
 
 # The demo has no replica to sync: its change log starts at this version.
 DEMO_REPLICA_VERSION = "01"
+# serve rebuilds replica and service after an auto-reset, this many times in a row at most.
+MAX_AUTO_RESETS = 3
+_AUTO_RESET = -1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,31 +113,49 @@ async def _migrate(db: ChangeDb) -> str:
 
 
 def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | None) -> int:
+    """Runs the server; after an auto-reset (a new replica is needed) builds it all again."""
+    for attempt in range(MAX_AUTO_RESETS + 1):
+        if attempt:
+            log.warning("auto-reset: re-syncing the replica and restarting the service")
+            db = open_change_db(settings)
+        outcome = _serve_once(settings, db, host=host, port=port)
+        if outcome != _AUTO_RESET:
+            return outcome
+    log.error("auto-reset %d times in a row; giving up", MAX_AUTO_RESETS)
+    return 1
+
+
+def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int | None) -> int:
     import uvicorn
 
     from app.server.app import create_app
 
-    if settings.upstream_db:
-        # The Postgres and custom upstreams are wired in by later work; the demo
-        # source is the embedded default.
-        print(
-            "changestreamer: ZERO_UPSTREAM_DB is set, but this version only runs the "
-            "built-in demo source; unset it to run the demo",
-            file=sys.stderr,
-        )
-        return 2
     listen_host = host or settings.change_streamer_host
     listen_port = port or settings.listen_port
+    address = discovery_address(settings, listen_host, listen_port)
+    prepared: PreparedUpstream | None = None
+    if settings.upstream_db:
+        try:
+            prepared = asyncio.run(_prepare(settings, db))
+        except (UpstreamSetupError, ReplicaError) as e:
+            print(f"changestreamer: {e}", file=sys.stderr)
+            return 1
     server: uvicorn.Server | None = None
+    built: list[ChangeStreamerService] = []
 
     def shut_down() -> None:
         if server is not None:
             server.should_exit = True
 
     async def build_service() -> ChangeStreamerService:
-        return await demo_service(
-            settings, db, address=discovery_address(settings, listen_host, listen_port)
-        )
+        if prepared is None:
+            service = await demo_service(settings, db, address=address)
+        else:
+            runtime = await postgres_service(settings, db, prepared, address=address)
+            runtime.start_backup()
+            service = runtime.service
+        built.append(service)
+        return service
 
     app = create_app(
         db,
@@ -154,7 +183,16 @@ def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | No
     )
     server = uvicorn.Server(config)
     server.run()
+    if built and isinstance(built[0].stop_error, AutoResetSignal) and settings.auto_reset:
+        return _AUTO_RESET if prepared is not None else 1
     return 0
+
+
+async def _prepare(settings: Settings, db: ChangeDb) -> PreparedUpstream:
+    try:
+        return await prepare_upstream(settings, db)
+    finally:
+        await db.dispose()  # the server runs its own event loop and pools
 
 
 def discovery_address(settings: Settings, host: str, port: int) -> str:
@@ -191,16 +229,11 @@ async def demo_service(settings: Settings, db: ChangeDb, *, address: str) -> Cha
     return ChangeStreamerService(
         db=db,
         source=DemoChangeSource(settings.demo_state_file, rate_per_s=settings.demo_rate_per_s),
-        task_id=settings.task_id or f"changestreamer-{uuid.uuid4().hex[:12]}",
+        task_id=task_id(settings),
         address=address,
         replica_version=replica_version,
         durable_watermark=state.last_watermark,
-        options=StreamerOptions(
-            back_pressure_bytes=settings.back_pressure_bytes,
-            timeout_proportion=settings.consensus_timeout_proportion,
-            slow_subscriber_grace_s=settings.slow_subscriber_grace_s,
-            auto_reset=settings.auto_reset,
-        ),
+        options=streamer_options(settings),
     )
 
 

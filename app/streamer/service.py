@@ -220,6 +220,11 @@ class ChangeStreamerService:
         if self._stop_error is not None and not isinstance(self._stop_error, _CleanStop):
             raise self._stop_error
 
+    @property
+    def stop_error(self) -> BaseException | None:
+        """What stopped the service (None: a plain stop, or still running)."""
+        return self._stop_error
+
     async def stop(self, error: BaseException | None = None) -> None:
         """Stops streaming; ``run`` returns (or raises ``error``). Safe to call twice."""
         if self._stopped.is_set():

@@ -59,6 +59,10 @@ class ReplicationConnection:
         self._conn = conn
         self._pg = conn.pgconn
         self._streaming = False
+        self._closed = False
+        # Pending socket waits (a reader and a writer), so close() can end them at
+        # once: closing the socket does not wake a selector waiting on it.
+        self._waiters: set[asyncio.Future[None]] = set()
 
     @classmethod
     async def connect(cls, conninfo: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> Self:
@@ -97,6 +101,8 @@ class ReplicationConnection:
         """The next frame, or None when nothing arrived within ``timeout_s``."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
+            if self._closed:
+                raise ReplicationStreamEnded(None, "the replication connection was closed")
             n, data = self._pg.get_copy_data(1)
             if n > 0:
                 return bytes(data)
@@ -116,6 +122,8 @@ class ReplicationConnection:
         """Writes one CopyData frame (a standby status update) and flushes it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        if self._closed:
+            raise ReplicationStreamEnded(None, "the replication connection was closed")
         try:
             while self._pg.put_copy_data(frame) == 0:
                 if not await self._wait_io(readable=False, timeout_s=deadline - loop.time()):
@@ -128,6 +136,10 @@ class ReplicationConnection:
 
     async def close(self) -> None:
         self._streaming = False
+        self._closed = True
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
         if not self._conn.closed:
             # close() on a COPY_BOTH connection just drops the socket; the server
             # ends the walsender, which releases the slot.
@@ -150,6 +162,7 @@ class ReplicationConnection:
             return False
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.add(fut)
 
         def ready() -> None:
             if not fut.done():
@@ -162,10 +175,11 @@ class ReplicationConnection:
             loop.add_writer(fd, ready)
         try:
             await asyncio.wait_for(fut, timeout_s)
-            return True
+            return not self._closed
         except TimeoutError:
             return False
         finally:
+            self._waiters.discard(fut)
             if readable:
                 loop.remove_reader(fd)
             else:

@@ -274,15 +274,15 @@ async def test_keepalives_become_ack_statuses_and_our_keepalives_hold_the_connec
     upstream: tuple[str, str],
 ) -> None:
     url, start = upstream
-    # A 1 s wal_sender_timeout (settable per connection): Postgres asks for a reply
-    # after 0.5 s of silence and drops a client silent for 1 s. We answer with
+    # A 2 s wal_sender_timeout (settable per connection): Postgres asks for a reply
+    # after 1 s of silence and drops a client silent for 2 s. We answer with
     # manual keepalives at 75 % of it, so the stream survives several timeouts.
-    short = url + "?options=-c%20wal_sender_timeout%3D1000"
+    short = url + "?options=-c%20wal_sender_timeout%3D2000"
     stream = await source_for(short).start_stream(start, [])
     try:
         it = aiter(stream)
         statuses = []
-        deadline = asyncio.get_running_loop().time() + 3.5
+        deadline = asyncio.get_running_loop().time() + 5
         while asyncio.get_running_loop().time() < deadline:
             m = await asyncio.wait_for(anext(it), 5)
             assert isinstance(m, Status)
@@ -290,7 +290,7 @@ async def test_keepalives_become_ack_statuses_and_our_keepalives_hold_the_connec
         assert len(statuses) >= 2
         assert all(s.ack and s.body == {"ack": True} for s in statuses)
         assert all(s.watermark >= start for s in statuses)
-        # Still alive after 3.5 timeouts: a transaction comes through.
+        # Still alive after 2.5 timeouts: a transaction comes through.
         await execute(url, "INSERT INTO items (id) VALUES (7)")
         msgs = await take(it, 3)
         assert [m.kind for m in msgs] == ["begin", "data", "commit"]

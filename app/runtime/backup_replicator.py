@@ -1,0 +1,99 @@
+"""The service's own replica, kept current by an in-process ``backup`` subscriber.
+
+The replica file initial sync created is the one backups copy (litestream), so the
+service applies its own change stream to it, exactly as a remote replicator would:
+subscribe at the replica's state version, apply each transaction, ack after applying.
+In process it skips the websocket: messages come from the subscriber's
+:class:`~app.streamer.downstream.Downstream` channel as the same JSON text.
+
+If the subscription ends (the service dropped it, e.g. too far behind) it resumes
+from the replica's watermark after a bounded backoff; it stops with the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Final
+
+from app.protocol import canonical_json
+from app.protocol.downstream import DownstreamError, parse_downstream_message
+from app.replica.errors import ReplicaError
+from app.replica.replicator import Replicator
+from app.sources.backoff import Backoff
+from app.streamer.downstream import DownstreamClosed
+from app.streamer.service import ChangeStreamerService, SubscriberContext
+
+__all__ = ["BACKUP_SUBSCRIBER_ID", "BackupReplicator"]
+
+log = logging.getLogger(__name__)
+
+BACKUP_SUBSCRIBER_ID: Final = "backup-replicator"
+PROTOCOL_VERSION: Final = 6
+WAIT_FOR_SERVICE_S: Final = 0.05
+
+
+class BackupReplicator:
+    def __init__(self, service: ChangeStreamerService, replica_file: Path) -> None:
+        self._service = service
+        self._file = replica_file
+        self._backoff = Backoff(0.05, 5.0)
+        self.commits = 0
+        self.watermark: str | None = None
+
+    async def run(self) -> None:
+        """Applies the stream until the service stops."""
+        service = self._service
+        while not service.stopped.is_set():
+            if not service.running:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(service.stopped.wait(), WAIT_FOR_SERVICE_S)
+                continue
+            try:
+                await self._follow()
+            except ReplicaError as e:
+                log.error("backup replicator: %s", e)
+            except Exception:
+                log.exception("backup replicator failed")
+            delay = self._backoff.next_delay()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(service.stopped.wait(), delay)
+
+    async def _follow(self) -> None:
+        async with Replicator(self._file, mode="backup") as replicator:
+            self.watermark = replicator.watermark
+            downstream = self._service.subscribe(
+                SubscriberContext(
+                    protocol_version=PROTOCOL_VERSION,
+                    id=BACKUP_SUBSCRIBER_ID,
+                    mode="backup",
+                    replica_version=replicator.replica_version,
+                    watermark=replicator.watermark,
+                    initial=True,
+                )
+            )
+            try:
+                while True:
+                    try:
+                        text = await downstream.get()
+                    except DownstreamClosed:
+                        log.info(
+                            "backup replicator: subscription closed (%s); resuming from %s",
+                            downstream.close_reason,
+                            replicator.watermark,
+                        )
+                        return
+                    message = parse_downstream_message(canonical_json.loads(text))
+                    if isinstance(message, DownstreamError):
+                        downstream.ack_next()  # the service waits for it before closing
+                        raise ReplicaError(f"the service refused the backup replica: {message}")
+                    result = await replicator.apply(message)
+                    downstream.ack_next()
+                    if result is not None:
+                        self.commits += 1
+                        self.watermark = result.watermark
+                        self._backoff.reset()
+            finally:
+                downstream.close()

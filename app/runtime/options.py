@@ -1,0 +1,24 @@
+"""Settings → service options, shared by every upstream ``serve`` can run."""
+
+from __future__ import annotations
+
+import uuid
+
+from app.config import Settings
+from app.streamer.service import StreamerOptions
+
+__all__ = ["streamer_options", "task_id"]
+
+
+def streamer_options(settings: Settings) -> StreamerOptions:
+    return StreamerOptions(
+        back_pressure_bytes=settings.back_pressure_bytes,
+        timeout_proportion=settings.consensus_timeout_proportion,
+        slow_subscriber_grace_s=settings.slow_subscriber_grace_s,
+        auto_reset=settings.auto_reset,
+    )
+
+
+def task_id(settings: Settings) -> str:
+    """``ZERO_TASK_ID``, else a random one for this process."""
+    return settings.task_id or f"changestreamer-{uuid.uuid4().hex[:12]}"

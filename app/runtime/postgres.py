@@ -1,0 +1,196 @@
+"""``serve`` over a Postgres upstream: replica, slot, change DB and service, in order.
+
+On start:
+
+1. The replica file (``ZERO_REPLICA_FILE``). If it exists and its replica is still
+   servable upstream (``replicas`` row synced, slot present and not invalidated,
+   same publications), keep it. Otherwise — or when the change DB says a reset is
+   required — delete it and run an initial sync (new slot, new replicaVersion).
+   Without ``ZERO_AUTO_RESET`` a replica that cannot continue is an error instead.
+2. The change DB is tied to the replica (``ensure_config``): a fresh replica resets
+   the change log; a log that belongs to another replica that has moved on is an
+   auto-reset.
+3. The service streams from the replica's slot; an in-process backup replicator keeps
+   the replica file current (it is what backups copy).
+
+An auto-reset later (reset-required from the stream) stops the service; ``serve``
+then builds everything again from step 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from app.config import Settings
+from app.replica.schema import ReplicaState, read_replica_state
+from app.runtime.backup_replicator import BackupReplicator
+from app.runtime.options import streamer_options, task_id
+from app.sources.postgres.errors import AutoResetRequired, ShardSetupError
+from app.sources.postgres.initial_sync import InitialSyncError, initial_sync, remove_replica_files
+from app.sources.postgres.shard import ShardConfig
+from app.sources.postgres.slots import ReplicaRow, check_replica
+from app.sources.postgres.source import PostgresChangeSource, PostgresSourceOptions
+from app.storage import ChangeDb, Replication, SubscriptionState
+from app.streamer.service import ChangeStreamerService
+
+__all__ = [
+    "PostgresRuntime",
+    "PreparedUpstream",
+    "UpstreamSetupError",
+    "postgres_service",
+    "prepare_upstream",
+]
+
+log = logging.getLogger(__name__)
+
+
+class UpstreamSetupError(Exception):
+    """The upstream or the replica cannot be used; the message says what to do."""
+
+
+@dataclass(slots=True)
+class PostgresRuntime:
+    service: ChangeStreamerService
+    backup: BackupReplicator
+    replica: ReplicaState
+    slot: str
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def start_backup(self) -> None:
+        """Starts the backup replicator; it ends when the service stops."""
+        task = asyncio.create_task(self.backup.run(), name="backup-replicator")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedUpstream:
+    """A replica that can stream: its state and the upstream row that serves it."""
+
+    url: str
+    shard: ShardConfig
+    replica: ReplicaState
+    row: ReplicaRow
+
+
+async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream:
+    """Steps 1 of the module docstring: a servable replica, synced now if needed."""
+    upstream = settings.upstream_db
+    if not upstream:
+        raise UpstreamSetupError("ZERO_UPSTREAM_DB is not set")
+    cfg = ShardConfig(
+        app_id=settings.app_id,
+        shard_num=settings.shard_num,
+        publications=tuple(settings.app_publications),
+    )
+    existing = await Replication(db).config()
+    reset_required = existing is not None and existing.reset_required
+    try:
+        state, row = await _prepare_replica(
+            upstream,
+            cfg,
+            settings.replica_file,
+            auto_reset=settings.auto_reset,
+            force=reset_required,
+        )
+    except (ShardSetupError, InitialSyncError, psycopg.OperationalError) as e:
+        raise UpstreamSetupError(f"upstream {_redacted(upstream)}: {e}") from e
+    return PreparedUpstream(upstream, cfg, state, row)
+
+
+async def postgres_service(
+    settings: Settings, db: ChangeDb, prepared: PreparedUpstream, *, address: str
+) -> PostgresRuntime:
+    """Steps 2 and 3: the change DB tied to the replica, and the service over the slot."""
+    state, row = prepared.replica, prepared.row
+    replication = Replication(db)
+    await replication.ensure_config(
+        SubscriptionState(
+            state.replica_version, tuple(sorted(row.publications)), state.state_version
+        ),
+        auto_reset=settings.auto_reset,
+    )
+    durable = await replication.state()
+    assert durable is not None
+    source = PostgresChangeSource(
+        prepared.url,
+        PostgresSourceOptions(
+            app_id=prepared.shard.app_id,
+            shard_num=prepared.shard.shard_num,
+            publications=tuple(row.publications),
+            slot=row.slot,
+            ddl_detection=row.ddl_detection,
+            initial_schema=dict(row.initial_schema) if row.initial_schema is not None else None,
+        ),
+    )
+    service = ChangeStreamerService(
+        db=db,
+        source=source,
+        task_id=task_id(settings),
+        address=address,
+        replica_version=state.replica_version,
+        durable_watermark=durable.last_watermark,
+        options=streamer_options(settings),
+    )
+    log.info(
+        "replicating %s through slot %s; replica %s at %s",
+        _redacted(prepared.url),
+        row.slot,
+        state.replica_version,
+        state.state_version,
+    )
+    return PostgresRuntime(
+        service=service,
+        backup=BackupReplicator(service, settings.replica_file),
+        replica=state,
+        slot=row.slot,
+    )
+
+
+async def _prepare_replica(
+    upstream: str, cfg: ShardConfig, replica_file: Path, *, auto_reset: bool, force: bool
+) -> tuple[ReplicaState, ReplicaRow]:
+    if await asyncio.to_thread(replica_file.exists):
+        reason: str | None = "the change DB says a reset is required" if force else None
+        if reason is None:
+            state = read_replica_state(replica_file)
+            try:
+                row = await _check(upstream, cfg, state.replica_version)
+            except AutoResetRequired as e:
+                reason = str(e)
+            else:
+                if sorted(row.publications) == sorted(state.publications):
+                    return state, row
+                reason = (
+                    f"the replica was synced for publications {sorted(state.publications)}, "
+                    f"the shard now has {sorted(row.publications)}"
+                )
+        if not auto_reset:
+            raise UpstreamSetupError(
+                f"replica {replica_file} cannot continue ({reason}); enable ZERO_AUTO_RESET "
+                "or delete the replica file to re-sync"
+            )
+        log.warning("replica %s cannot continue (%s): re-syncing it", replica_file, reason)
+        remove_replica_files(replica_file)
+    log.info("initial sync of %s into %s", _redacted(upstream), replica_file)
+    await initial_sync(upstream, cfg, replica_file)
+    state = read_replica_state(replica_file)
+    return state, await _check(upstream, cfg, state.replica_version)
+
+
+async def _check(upstream: str, cfg: ShardConfig, replica_version: str) -> ReplicaRow:
+    async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as conn:
+        return await check_replica(conn, cfg, replica_version)
+
+
+def _redacted(url: str) -> str:
+    """The URL without a password, for logs and errors."""
+    info: dict[str, Any] = psycopg.conninfo.conninfo_to_dict(url)
+    host = info.get("host", "localhost")
+    return f"{info.get('user', '')}@{host}:{info.get('port', 5432)}/{info.get('dbname', '')}"
