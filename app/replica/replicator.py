@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -157,6 +157,45 @@ class Replicator:
         else:
             raise ReplicaError(f"unexpected message {message!r}")
         return None
+
+    async def apply_batch(self, messages: Sequence[ReplicaMessage]) -> list[CommitResult]:
+        """Applies several messages in one hop to the writer thread; the commits' results.
+
+        For a caller that has many messages at hand (an in-process subscriber that
+        is behind): one thread hand-off per batch instead of one per message. On an
+        error the commits before it stay applied (``watermark`` says where).
+        """
+        results = await self._call(self._apply_all, list(messages))
+        for result in results:
+            self.commits += 1
+            if self._on_commit is not None:
+                self._on_commit(result)
+        return results
+
+    def _apply_all(self, messages: list[ReplicaMessage]) -> list[CommitResult]:
+        writer = self.writer
+        results: list[CommitResult] = []
+        for message in messages:
+            if isinstance(message, Data):
+                writer.apply(message.body)
+            elif isinstance(message, Begin):
+                writer.begin(message.commit_watermark, message.body)
+            elif isinstance(message, Commit):
+                results.append(writer.commit(message.watermark, message.body))
+            elif isinstance(message, Rollback):
+                writer.abort()
+            elif isinstance(message, DownstreamStatus | Status):
+                if message.lag_report is not None:
+                    self.last_lag_report = message.lag_report
+            elif isinstance(message, Control):
+                writer.abort()
+                raise ResyncRequiredError(
+                    f"the change source requires a re-sync ({message.tag}): "
+                    f"{message.message or 'no message'}"
+                )
+            else:
+                raise ReplicaError(f"unexpected message {message!r}")
+        return results
 
     async def consume(self, messages: AsyncIterable[ReplicaMessage]) -> int:
         """Applies messages until the stream ends; returns the number of commits.
