@@ -42,6 +42,8 @@ def parse_copy_line(line: bytes | bytearray | memoryview, n_columns: int) -> lis
         raise CopyFormatError(
             f"COPY row has {len(fields)} fields, expected {n_columns}: {text[:200]!r}"
         )
+    if "\\" not in text:
+        return fields  # no NULL and no escape anywhere: the common row
     for i, f in enumerate(fields):
         assert f is not None
         if "\\" in f:

@@ -45,19 +45,35 @@ from app.replica.ddl import (
 )
 from app.replica.lite_types import JSON_STRINGIFIED, lite_value
 from app.replica.schema import init_replica, open_replica
+from app.sources.postgres.copy_out import copy_out_batches
 from app.sources.postgres.copy_text import parse_copy_line
 from app.sources.postgres.published import PublishedSchema, TableSpec, published_schema
 from app.sources.postgres.shard import ShardConfig, check_published_tables, setup_shard
 from app.sources.postgres.slots import CreatedSlot, create_replication_slot, drop_slot
 from app.sources.postgres.slots import record_initial_sync as record_sync
-from app.sources.postgres.values import TypeRegistry, load_type_registry
+from app.sources.postgres.values import (
+    DATE,
+    FLOAT4,
+    FLOAT8,
+    INT2,
+    INT4,
+    INT8,
+    NUMERIC,
+    OID,
+    TIME,
+    TIMESTAMP,
+    TIMESTAMPTZ,
+    TIMETZ,
+    TypeRegistry,
+    load_type_registry,
+)
 
 __all__ = ["InitialSyncError", "SyncResult", "initial_sync", "remove_replica_files"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_WORKERS: Final = 3
-BATCH_ROWS: Final = 2_000
+BATCH_ROWS: Final = 5_000
 # Batches waiting for the SQLite thread; bounds memory when Postgres outruns SQLite.
 MAX_QUEUED_BATCHES: Final = 8
 PROGRESS_EVERY_S: Final = 5.0
@@ -180,7 +196,7 @@ async def _copy_into(
             _Progress(lite_table_name(t["schema"], t["name"]), estimates.get(t["oid"], 0))
             for t in schema["tables"]
         ]
-        queue: asyncio.Queue[tuple[str, list[str], list[tuple[Any, ...]]] | None] = asyncio.Queue(
+        queue: asyncio.Queue[tuple[str, list[str], list[list[Any]]] | None] = asyncio.Queue(
             MAX_QUEUED_BATCHES
         )
         pending = list(zip(schema["tables"], progress, strict=True))
@@ -237,7 +253,7 @@ async def _copy_worker(
     url: str,
     snapshot: str,
     pending: list[tuple[TableSpec, _Progress]],
-    queue: asyncio.Queue[tuple[str, list[str], list[tuple[Any, ...]]] | None],
+    queue: asyncio.Queue[tuple[str, list[str], list[list[Any]]] | None],
     registry: TypeRegistry,
 ) -> None:
     try:
@@ -253,47 +269,65 @@ async def _copy_table(
     conn: psycopg.AsyncConnection[Any],
     table: TableSpec,
     progress: _Progress,
-    queue: asyncio.Queue[tuple[str, list[str], list[tuple[Any, ...]]] | None],
+    queue: asyncio.Queue[tuple[str, list[str], list[list[Any]]] | None],
     registry: TypeRegistry,
 ) -> None:
     name = progress.table
     progress.started = time.monotonic()
     columns = sorted(table["columns"].items(), key=lambda kv: kv[1]["pos"])
     names = [c for c, _ in columns]
-    lite_columns = lite_table_columns(name, table["columns"])
-    converters = [
-        _converter(registry, spec["typeOID"], lite_columns[col].data_type) for col, spec in columns
-    ]
     if not names:
         progress.done = True  # SQLite has no zero-column tables; nothing to copy
         return
-    select = pgsql.SQL("COPY (SELECT {} FROM {}.{}) TO STDOUT").format(
+    lite_columns = lite_table_columns(name, table["columns"])
+    # Only the columns whose text is not already the stored value need a call per row.
+    converters = [
+        (i, conv)
+        for i, (col, spec) in enumerate(columns)
+        if (conv := _converter(registry, spec["typeOID"], lite_columns[col].data_type)) is not None
+    ]
+    query = pgsql.SQL("COPY (SELECT {} FROM {}.{}) TO STDOUT").format(
         pgsql.SQL(", ").join(pgsql.Identifier(c) for c in names),
         pgsql.Identifier(table["schema"]),
         pgsql.Identifier(table["name"]),
     )
-    batch: list[tuple[Any, ...]] = []
     n = len(names)
-    async with conn.cursor().copy(select) as copy:
-        async for data in copy:
-            progress.bytes += len(data)
-            fields = parse_copy_line(data, n)
-            row = tuple(
-                f if f is None else conv(f) for conv, f in zip(converters, fields, strict=True)
-            )
-            batch.append(row)
-            if len(batch) >= BATCH_ROWS:
-                progress.rows += len(batch)
-                await queue.put((name, names, batch))
-                batch = []
-    progress.rows += len(batch)
-    if batch:
-        await queue.put((name, names, batch))
+    rows: list[list[Any]] = []
+    async for lines in copy_out_batches(conn, query.as_bytes(conn)):
+        for line in lines:
+            progress.bytes += len(line)
+            row: list[Any] = parse_copy_line(line, n)
+            for i, conv in converters:
+                value = row[i]
+                if value is not None:
+                    row[i] = conv(value)
+            rows.append(row)
+        if len(rows) >= BATCH_ROWS:
+            progress.rows += len(rows)
+            await queue.put((name, names, rows))
+            rows = []
+    if rows:
+        progress.rows += len(rows)
+        await queue.put((name, names, rows))
     progress.done = True
 
 
-def _converter(registry: TypeRegistry, type_oid: int, lite_type: str) -> Callable[[str], Any]:
+# Parsers whose JSON value is also the SQLite value (numbers, ms timestamps, and the
+# strings "NaN"/"infinity" some of them give): no lite conversion needed.
+_STORED_AS_PARSED: Final = frozenset(
+    {INT2, INT4, INT8, OID, FLOAT4, FLOAT8, NUMERIC, TIMESTAMP, TIMESTAMPTZ, TIME, TIMETZ, DATE}
+)
+
+
+def _converter(
+    registry: TypeRegistry, type_oid: int, lite_type: str
+) -> Callable[[str], Any] | None:
+    """Text → SQLite value for one column; None when the text is stored as it is."""
     parse = registry.parser(type_oid, json_as_string=True)
+    if parse is str:
+        return None  # text-like, and json/jsonb kept as their text
+    if any(parse is registry.parser(oid, json_as_string=True) for oid in _STORED_AS_PARSED):
+        return parse
 
     def convert(text: str) -> Any:
         return lite_value(parse(text), lite_type, JSON_STRINGIFIED)
@@ -302,7 +336,7 @@ def _converter(registry: TypeRegistry, type_oid: int, lite_type: str) -> Callabl
 
 
 async def _drain(
-    queue: asyncio.Queue[tuple[str, list[str], list[tuple[Any, ...]]] | None],
+    queue: asyncio.Queue[tuple[str, list[str], list[list[Any]]] | None],
     lite: _LiteThread,
     workers: int,
 ) -> None:
@@ -384,9 +418,7 @@ def _create_tables(
             metadata.insert_column(conn, name, column, spec, None)
 
 
-def _insert(
-    conn: sqlite3.Connection, table: str, names: list[str], rows: list[tuple[Any, ...]]
-) -> None:
+def _insert(conn: sqlite3.Connection, table: str, names: list[str], rows: list[list[Any]]) -> None:
     cols = ", ".join(quote_id(c) for c in names)
     marks = ", ".join("?" for _ in names)
     conn.executemany(f"INSERT INTO {quote_id(table)} ({cols}) VALUES ({marks})", rows)
