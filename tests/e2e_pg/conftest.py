@@ -113,10 +113,10 @@ class Upstream:
                 return False
         return True
 
-    async def wait_replica(self, watermark: str) -> None:
+    async def wait_replica(self, watermark: str, *, within_s: float = WAIT_S) -> None:
         """Until the backup replicator has applied the commit at ``watermark``."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + WAIT_S
+        deadline = loop.time() + within_s
         while (self.runtime.backup.watermark or "") < watermark:
             if loop.time() > deadline:
                 raise StreamTimeout(
