@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from app.client import add_status_arguments, add_tail_arguments, run_status, run_tail
 from app.config import Settings, SettingsError, load_settings
+from app.replica.command import add_replicate_arguments, run_replicate
 from app.replica.errors import ReplicaError
 from app.runtime.options import streamer_options, task_id
 from app.runtime.postgres import (
@@ -65,12 +66,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_tail_arguments(tail_cmd)
     status_cmd = commands.add_parser("status", help="print a change-streamer's /statz")
     add_status_arguments(status_cmd)
+    replicate_cmd = commands.add_parser(
+        "replicate", help="keep a replica file current from a change-streamer"
+    )
+    add_replicate_arguments(replicate_cmd)
     args = parser.parse_args(argv)
     # Client commands need no settings or change DB (they may run on another host).
     if args.command == "tail":
         return run_tail(args)
     if args.command == "status":
         return run_status(args)
+    if args.command == "replicate":
+        return run_replicate(args)
 
     try:
         settings = load_settings()
