@@ -83,7 +83,10 @@ class Serve:
 
     @property
     def log_file(self) -> Path:
-        return self.workdir / f"serve-{self.runs}.log"
+        return self._log_file(self.runs)
+
+    def _log_file(self, run: int) -> Path:
+        return self.workdir / f"serve-{run}.log"
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "already running"
@@ -99,9 +102,10 @@ class Serve:
             stderr=self._log,
         )
 
-    def output(self) -> str:
-        """What the current (or last) run wrote to stdout and stderr."""
-        return self.log_file.read_text(errors="replace") if self.runs else ""
+    def output(self, run: int | None = None) -> str:
+        """What run ``run`` (1-based; default the current or last) wrote to stdout and stderr."""
+        run = run or self.runs
+        return self._log_file(run).read_text(errors="replace") if run else ""
 
     def _tail(self) -> str:
         return "\n".join(self.output().splitlines()[-25:])
