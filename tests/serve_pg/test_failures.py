@@ -7,13 +7,18 @@ recovers without losing anything.
   wrong.
 * A slot dropped between runs with auto-reset on is a fresh initial sync with a new
   replicaVersion.
+* A slot dropped while serving (without auto-reset) stops the process with an error
+  naming the slot, as the reference's abort does.
 * A replication connection ended by the server mid-stream (``pg_terminate_backend``
   on the walsender) is reconnected from the last stored commit: nothing is lost.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import re
+import signal
 from collections.abc import AsyncIterator
 
 import psycopg
@@ -207,3 +212,41 @@ async def test_walsender_terminated_mid_stream_reconnects_and_loses_nothing(
 async def _other_walsender(upstream: str, old_pid: int) -> bool:
     slots = await app_slots(upstream)
     return bool(slots) and slots[0][2] not in (None, old_pid)
+
+
+async def drop_active_slot(upstream: str, slot: str, attempts: int = 200) -> None:
+    """Ends the walsender and drops the slot, racing the service's reconnects."""
+    async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as conn:
+        for _ in range(attempts):
+            await conn.execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                "WHERE slot_name = %s AND active_pid IS NOT NULL",
+                (slot,),
+            )
+            try:
+                await conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                return
+            except psycopg.errors.ObjectInUse:
+                await asyncio.sleep(0.01)
+    raise AssertionError(f"could not drop slot {slot} in {attempts} attempts")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a missing slot at start_stream raises ChangeSourceError, which the service "
+    "retries forever (backoff up to 10 s); the reference aborts (spec/source.md §5.2)",
+)
+async def test_slot_dropped_while_running_without_auto_reset_exits_with_an_error(
+    upstream: str, serve_factory: ServeFactory
+) -> None:
+    await create_workload_schema(upstream)
+    serve = serve_factory(upstream, ZERO_AUTO_RESET="false")
+    serve.start()
+    await serve.wait_ready()
+    [(slot, _, _)] = await app_slots(upstream)
+    await drop_active_slot(upstream, slot)
+
+    # A correct service stops at its first reconnect; 15 s covers several of ours.
+    code = await serve.wait_exit(timeout_s=15)
+    assert code not in (0, -signal.SIGTERM), "a fatal stop must not look like success"
+    assert re.search(rf"replication slot {slot} (does not exist|is missing)", serve.output())
