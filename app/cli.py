@@ -190,9 +190,13 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     )
     server = uvicorn.Server(config)
     server.run()
-    if built and isinstance(built[0].stop_error, AutoResetSignal) and settings.auto_reset:
-        return _AUTO_RESET if prepared is not None else 1
-    return 0
+    failure = built[0].failure if built else None
+    if failure is None:
+        return 0
+    if isinstance(failure, AutoResetSignal) and settings.auto_reset and prepared is not None:
+        return _AUTO_RESET
+    print(f"changestreamer: the change streamer stopped: {failure}", file=sys.stderr)
+    return 1
 
 
 async def _prepare(settings: Settings, db: ChangeDb) -> PreparedUpstream:

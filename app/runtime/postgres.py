@@ -99,7 +99,7 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
             auto_reset=settings.auto_reset,
             force=reset_required,
         )
-    except (ShardSetupError, InitialSyncError, psycopg.OperationalError) as e:
+    except (ShardSetupError, InitialSyncError, psycopg.Error) as e:
         raise UpstreamSetupError(f"upstream {_redacted(upstream)}: {e}") from e
     return PreparedUpstream(upstream, cfg, state, row)
 
@@ -127,6 +127,7 @@ async def postgres_service(
             slot=row.slot,
             ddl_detection=row.ddl_detection,
             initial_schema=dict(row.initial_schema) if row.initial_schema is not None else None,
+            replica_id=row.id,
         ),
     )
     service = ChangeStreamerService(

@@ -222,7 +222,14 @@ class ChangeStreamerService:
 
     @property
     def stop_error(self) -> BaseException | None:
-        """What stopped the service (None: a plain stop, or still running)."""
+        """What stopped the service, as passed to ``stop`` (None: a plain stop)."""
+        return self._stop_error
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that stopped the service (None: a plain stop, or still running)."""
+        if isinstance(self._stop_error, _CleanStop):
+            return None
         return self._stop_error
 
     async def stop(self, error: BaseException | None = None) -> None:

@@ -99,11 +99,6 @@ async def weak_role(upstream: str) -> AsyncIterator[str]:
         await drop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: prepare_upstream catches only psycopg.OperationalError; the permission "
-    "error (InsufficientPrivilege, a ProgrammingError) escapes as a traceback",
-)
 async def test_role_without_replication_privilege_exits_1_with_the_reason(
     upstream: str, weak_role: str, serve_factory: ServeFactory
 ) -> None:
@@ -231,11 +226,6 @@ async def drop_active_slot(upstream: str, slot: str, attempts: int = 200) -> Non
     raise AssertionError(f"could not drop slot {slot} in {attempts} attempts")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a missing slot at start_stream raises ChangeSourceError, which the service "
-    "retries forever (backoff up to 10 s); the reference aborts (spec/source.md §5.2)",
-)
 async def test_slot_dropped_while_running_without_auto_reset_exits_with_an_error(
     upstream: str, serve_factory: ServeFactory
 ) -> None:

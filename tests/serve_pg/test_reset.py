@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import sqlite3
 
-import pytest
-
 from tests.serve_pg.conftest import (
     Serve,
     ServeFactory,
@@ -135,11 +133,6 @@ async def test_reset_required_without_auto_reset_refuses_the_next_start(
     assert replica_versions(serve.replica_file)[0] == version
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: nothing drops older replicas rows and their slots after a re-sync "
-    "(reference: dropOldReplicasAndSlots at every stream start, then every 30 s)",
-)
 async def test_auto_reset_drops_the_old_replicas_slot(
     upstream: str, serve_factory: ServeFactory
 ) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "SlotHealth",
     "check_replica",
     "create_replication_slot",
+    "drop_old_replicas_and_slots",
     "drop_slot",
     "drop_unclaimed_slots",
     "record_initial_sync",
@@ -409,6 +410,46 @@ async def drop_unclaimed_slots(
         owners: Sequence[tuple[str | None]] = await cur.fetchall()
     active = sum(1 for (owner,) in owners if owner is not None)
     return len(dropped), active, len(owners) - active
+
+
+async def drop_old_replicas_and_slots(
+    conn: psycopg.AsyncConnection[Any], cfg: ShardConfig, current_replica_id: str
+) -> tuple[list[str], int]:
+    """Forget the replicas older than the current one and drop their inactive slots.
+
+    After a re-sync the previous replica's row still claims its slot, which would pin
+    WAL on the upstream for ever. Returns ``(dropped slot names, still active)``; an
+    active one (an old process still streaming) is left for a later call.
+    """
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [_lock_name(cfg)])
+        cur = await conn.execute(
+            f"""SELECT r.id, r.slot, s.active FROM {_replicas(cfg)} r
+                  LEFT JOIN pg_replication_slots s ON s.slot_name = r.slot
+                  WHERE r.rank < (SELECT rank FROM {_replicas(cfg)} WHERE id = %s)""".encode(),
+            [current_replica_id],
+        )
+        old = await cur.fetchall()
+        dropped: list[str] = []
+        active = 0
+        cur = await conn.execute(
+            f"""SELECT slot FROM {_replicas(cfg)}
+                  WHERE rank >= (SELECT rank FROM {_replicas(cfg)} WHERE id = %s)""".encode(),
+            [current_replica_id],
+        )
+        # A slot name is reused once its slot is gone: never drop one a newer replica uses.
+        in_use = {slot for (slot,) in await cur.fetchall()}
+        for replica_id, slot, is_active in old:
+            if is_active and slot not in in_use:
+                active += 1
+                continue
+            if is_active is not None and slot not in in_use:  # exists and is idle
+                await conn.execute("SELECT pg_drop_replication_slot(%s)", [slot])
+                dropped.append(slot)
+            await conn.execute(f"DELETE FROM {_replicas(cfg)} WHERE id = %s".encode(), [replica_id])
+    if dropped:
+        log.info("dropped the replication slots of older replicas: %s", dropped)
+    return dropped, active
 
 
 async def drop_slot(conninfo: str, slot_name: str) -> bool:

@@ -54,8 +54,11 @@ from app.sources.postgres.pgoutput import (
     parse_copy_data,
     standby_status_update,
 )
+from app.sources.postgres.shard import ShardConfig
+from app.sources.postgres.slots import drop_old_replicas_and_slots
 from app.sources.postgres.standby import StandbyAcker
 from app.sources.postgres.values import TypeRegistry, load_type_registry
+from app.storage.errors import AbortError
 
 __all__ = ["PostgresChangeSource", "PostgresChangeStream", "PostgresSourceOptions"]
 
@@ -83,6 +86,9 @@ class PostgresSourceOptions:
     initial_schema: dict[str, Any] | None = None
     # Overrides 2 × wal_sender_timeout as the inbound-silence limit.
     silence_timeout_s: float | None = None
+    # The replicas row of the replica being served: older replicas' slots are
+    # dropped when a stream starts (after a re-sync they would pin WAL).
+    replica_id: str | None = None
 
 
 class PostgresChangeSource(ChangeSource):
@@ -105,6 +111,8 @@ class PostgresChangeSource(ChangeSource):
             registry = self._registry = await load_type_registry(conn)
             wal_sender_timeout_s = await _wal_sender_timeout_s(conn)
             await _take_over_slot(conn, opts.slot)
+            if opts.replica_id is not None:
+                await _drop_older_replicas(conn, opts)
         start_lsn = parse_state_version(after_watermark).major + 1
         replication = await ReplicationConnection.connect(self._url)
         try:
@@ -309,12 +317,28 @@ async def _take_over_slot(conn: psycopg.AsyncConnection[Any], slot: str) -> None
     )
     row = await cur.fetchone()
     if row is None:
-        raise ChangeSourceError(
+        # Not worth a retry: the slot is gone for good. The reference stops here too;
+        # a restart then finds the replica unservable and re-syncs (ZERO_AUTO_RESET).
+        raise AbortError(
             f"replication slot {slot} does not exist; "
-            "a different replication-manager may now be running, or the replica must be reset"
+            "a different replication-manager may now be running, or the replica must be re-synced"
         )
     if row[0] is not None:
         log.info("ended backend %s that held replication slot %s", row[0], slot)
+
+
+async def _drop_older_replicas(
+    conn: psycopg.AsyncConnection[Any], opts: PostgresSourceOptions
+) -> None:
+    assert opts.replica_id is not None
+    cfg = ShardConfig(app_id=opts.app_id, shard_num=opts.shard_num, publications=())
+    try:
+        _, active = await drop_old_replicas_and_slots(conn, cfg, opts.replica_id)
+    except psycopg.Error as e:
+        log.warning("could not drop older replicas' slots: %s", e)
+        return
+    if active:
+        log.warning("%d older replicas' slots are still in use; they are kept for now", active)
 
 
 async def _start(

@@ -17,12 +17,12 @@ import pytest
 from app.protocol import canonical_json
 from app.protocol.lexi import lsn_to_watermark
 from app.protocol.messages import Begin, ChangeSourceMessage, Commit, Control, Data, Status
-from app.sources.base import ChangeSourceError
 from app.sources.postgres.connection import ReplicationStreamEnded
 from app.sources.postgres.source import (
     PostgresChangeSource,
     PostgresSourceOptions,
 )
+from app.storage.errors import AbortError
 
 DB = "cs_pgsource"
 SLOT = "cs_pgsource_slot"
@@ -321,7 +321,8 @@ async def test_missing_slot_is_a_clear_error(upstream: tuple[str, str]) -> None:
     options = PostgresSourceOptions(
         app_id="zero", shard_num=0, publications=(PUB,), slot="cs_no_such_slot"
     )
-    with pytest.raises(ChangeSourceError, match="replication slot cs_no_such_slot does not exist"):
+    # Not retried: the service stops (a restart then re-syncs or says what to do).
+    with pytest.raises(AbortError, match="replication slot cs_no_such_slot does not exist"):
         await PostgresChangeSource(url, options).start_stream(start, [])
 
 
