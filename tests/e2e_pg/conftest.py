@@ -40,6 +40,7 @@ from tests.pgdb import scratch_database
 
 APP_ID = "hpe"
 WAIT_S = 15.0
+SETUP_S = 60.0
 POLL_S = 0.02
 
 Message = list[Any]
@@ -147,7 +148,7 @@ class Upstream:
         return [{k: v for k, v in zip(names, r, strict=True) if k != "_0_version"} for r in rows]
 
     async def stop(self) -> None:
-        await self.runtime.service.stop()
+        await asyncio.wait_for(self.runtime.service.stop(), WAIT_S)
         for task in self._tasks:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, WAIT_S)
@@ -188,9 +189,12 @@ async def running_upstream(
         )
         db = open_change_db(config)
         try:
-            await migrate(db)
-            prepared = await prepare_upstream(config, db)
-            runtime = await postgres_service(config, db, prepared, address="127.0.0.1:0")
+            # Slot creation waits for every open transaction of the cluster: bounded, so a
+            # stuck neighbour fails this setup instead of hanging it.
+            async with asyncio.timeout(SETUP_S):
+                await migrate(db)
+                prepared = await prepare_upstream(config, db)
+                runtime = await postgres_service(config, db, prepared, address="127.0.0.1:0")
         except BaseException:
             await db.dispose()
             raise
