@@ -73,6 +73,9 @@ CASES = [
          '{"b": 1, "a": [1, 2.50]}', "text"),
     Case("jsonb", "jsonb", """'{"b": 1, "a": [1, 2.50]}'""", '{"a": [1, 2.50], "b": 1}',
          '{"a": [1, 2.50], "b": 1}', "text"),
+    # Same declared type as the reference ("jsonb"): NUMERIC affinity stores a bare JSON
+    # number as a number, so the replica keeps its value, not its text ("12.50").
+    Case("jsonb_number", "jsonb", "'12.50'", "12.50", 12.5, "real"),
     Case("jsonb_string", "jsonb", """'"x\\"y"'""", '"x\\"y"', '"x\\"y"', "text"),
     Case("timestamp", "timestamp", "'2024-01-02 03:04:05.123456'", 1704164645123.456,
          1704164645123.456, "real"),
