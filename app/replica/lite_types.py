@@ -164,7 +164,11 @@ def lite_value(value: Any, lite_type: str, json_format: JsonFormat) -> LiteValue
         return 0
     if isinstance(value, int):
         if not _INT64_MIN <= value <= _INT64_MAX:
-            raise ReplicaError(f"integer {value} does not fit a 64-bit SQLite INTEGER")
+            # An integral double written without an exponent (JavaScript, and our
+            # codec, print them in full below 1e21: float8 1e19 arrives as
+            # 10000000000000000000); Postgres integer types never get here. SQLite
+            # stores it as the REAL it is, as the initial sync does.
+            return float(value)
         return value
     if isinstance(value, (str, float)):
         return value

@@ -223,15 +223,6 @@ def test_replica_declares_upstream_types(observed: Observed) -> None:
     assert declared["varchar"] == "varchar"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "an integral double >= 2^63 (float8 1e19, numeric 12345678901234567890) is written "
-        "by JS number formatting without exponent ('10000000000000000000'), read back by the "
-        "backup replicator as a Python int, and app/replica/lite_types.py lite_value raises "
-        "'does not fit a 64-bit SQLite INTEGER': the backup replica stops advancing for good"
-    ),
-)
 async def test_integral_double_beyond_int64_reaches_the_replica(upstream: StartUpstream) -> None:
     env = await upstream(
         [
