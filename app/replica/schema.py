@@ -162,6 +162,23 @@ def open_replica(path: str | Path, *, create: bool = False) -> sqlite3.Connectio
     return conn
 
 
+def create_stat4_table(conn: sqlite3.Connection) -> None:
+    """Gives the file the ``sqlite_stat4`` table zero's query planner reads.
+
+    zero's SQLite is built with STAT4, so ``ANALYZE`` there makes ``sqlite_stat4`` and
+    the view-syncer's cost model queries it; Python's ``sqlite3`` is not, so a replica
+    built here had none, and a real zero-cache view-syncer failed on it ("no such
+    table: sqlite_stat4", found by ``interop/run-pg``). An empty table is valid (no
+    samples); zero's next ``ANALYZE`` fills it. ``sqlite_*`` names are reserved, hence
+    ``writable_schema`` for the one statement.
+    """
+    conn.execute("PRAGMA writable_schema = ON")
+    try:
+        conn.execute("CREATE TABLE IF NOT EXISTS sqlite_stat4(tbl, idx, neq, nlt, ndlt, sample)")
+    finally:
+        conn.execute("PRAGMA writable_schema = OFF")
+
+
 def init_replica(
     conn: sqlite3.Connection,
     replica_version: str,
@@ -185,6 +202,7 @@ def init_replica(
             raise ReplicaError("the file already holds a replica")
         for ddl in _METADATA_TABLES:
             conn.execute(ddl)
+        create_stat4_table(conn)
         conn.execute(
             'INSERT INTO "_zero.replicationConfig" '
             "(replicaVersion, publications, initialSyncContext) VALUES (?, ?, ?)",
