@@ -159,7 +159,8 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
             service = await demo_service(settings, db, address=address)
         else:
             runtime = await postgres_service(settings, db, prepared, address=address)
-            runtime.start_backup()
+            if settings.follow_replica:
+                runtime.start_backup()
             service = runtime.service
         built.append(service)
         return service

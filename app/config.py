@@ -77,6 +77,13 @@ class Settings(BaseSettings):
     keepalive_timeout_ms: int | None = Field(
         None, ge=0, validation_alias=AliasChoices("ZERO_KEEPALIVE_TIMEOUT_MS")
     )
+    # With a Postgres upstream: keep ZERO_REPLICA_FILE current with an in-process backup
+    # replicator (the file backups copy, and `changestreamer replicate` starts from).
+    # zero-cache does this only when litestream backups are configured; off, the file
+    # stays the initial snapshot and the service does about half the work per change.
+    follow_replica: bool = Field(
+        True, validation_alias=AliasChoices("CHANGESTREAMER_FOLLOW_REPLICA")
+    )
     demo_rate_per_s: float = Field(
         10.0, gt=0, validation_alias=AliasChoices("CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND")
     )
