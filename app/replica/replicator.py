@@ -175,13 +175,30 @@ class Replicator:
     def _apply_all(self, messages: list[ReplicaMessage]) -> list[CommitResult]:
         writer = self.writer
         results: list[CommitResult] = []
-        for message in messages:
+        try:
+            self._apply_grouped(writer, messages, results)
+        finally:
+            # The batch's complete transactions are written in one SQLite commit, also
+            # when a later one failed (it was rolled back alone).
+            if not writer.in_transaction:
+                writer.flush()
+        return results
+
+    def _apply_grouped(
+        self, writer: ReplicaWriter, messages: list[ReplicaMessage], results: list[CommitResult]
+    ) -> None:
+        last_commit = max((i for i, m in enumerate(messages) if isinstance(m, Commit)), default=-1)
+        for i, message in enumerate(messages):
             if isinstance(message, Data):
                 writer.apply(message.body)
             elif isinstance(message, Begin):
+                if i > last_commit:
+                    # This transaction ends in a later batch: write the group now, so
+                    # every commit of this batch is durable when the batch is acked.
+                    writer.flush()
                 writer.begin(message.commit_watermark, message.body)
             elif isinstance(message, Commit):
-                results.append(writer.commit(message.watermark, message.body))
+                results.append(writer.commit(message.watermark, message.body, flush=False))
             elif isinstance(message, Rollback):
                 writer.abort()
             elif isinstance(message, DownstreamStatus | Status):
@@ -195,7 +212,6 @@ class Replicator:
                 )
             else:
                 raise ReplicaError(f"unexpected message {message!r}")
-        return results
 
     async def consume(self, messages: AsyncIterable[ReplicaMessage]) -> int:
         """Applies messages until the stream ends; returns the number of commits.

@@ -98,6 +98,10 @@ class ReplicaWriter:
             raise
         self._replica_version = state.replica_version
         self._state_version = state.state_version
+        # Grouped commits (see commit(flush=False)): the last state version that
+        # reached the file, and whether an outer SQLite transaction holds more.
+        self._durable_version = state.state_version
+        self._grouping = False
         self._change_log = ChangeLog(self._conn)
         self._tables: dict[str, TableInfo] | None = None
         self._tx: _Transaction | None = None
@@ -152,7 +156,12 @@ class ReplicaWriter:
         if json_format not in (JSON_PARSED, JSON_STRINGIFIED):
             raise ReplicaError(f'begin "json" must be "p" or "s", got {json_format!r}')
         try:
-            self._conn.execute("BEGIN IMMEDIATE")
+            if self._grouping:
+                # Inside a group: this transaction is a savepoint, so a failure rolls
+                # back only it and the group's earlier transactions stay.
+                self._conn.execute("SAVEPOINT upstream_tx")
+            else:
+                self._conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as e:
             raise ReplicaError(f"cannot begin a replica transaction: {e}") from e
         self._tx = _Transaction(commit_watermark, json_format)
@@ -178,7 +187,20 @@ class ReplicaWriter:
                 ) from e
             raise
 
-    def commit(self, watermark: str, commit_body: Mapping[str, Any] | None = None) -> CommitResult:
+    def commit(
+        self,
+        watermark: str,
+        commit_body: Mapping[str, Any] | None = None,
+        *,
+        flush: bool = True,
+    ) -> CommitResult:
+        """Ends the transaction; with ``flush=False`` it joins a group written by :meth:`flush`.
+
+        A caller with several transactions at hand (a replicator that is behind)
+        groups them: each is complete and in order, and one SQLite commit writes them
+        all, which saves rewriting the same pages once per upstream transaction.
+        Until the flush, ``state_version`` is ahead of the file's ``durable_version``.
+        """
         tx = self._tx
         if tx is None:
             raise ReplicaError(f"commit {watermark} outside a transaction")
@@ -191,7 +213,10 @@ class ReplicaWriter:
             set_state_version(self._conn, watermark)
             if tx.schema_changed:
                 self._conn.execute("PRAGMA optimize")
-            self._conn.execute("COMMIT")
+            if self._grouping:
+                self._conn.execute("RELEASE upstream_tx")
+            if flush:
+                self._conn.execute("COMMIT")
         except BaseException as e:
             self._rollback()
             if isinstance(e, sqlite3.Error):
@@ -199,6 +224,9 @@ class ReplicaWriter:
             raise
         self._tx = None
         self._state_version = watermark
+        self._grouping = not flush
+        if flush:
+            self._durable_version = watermark
         commit_time = (commit_body or {}).get("commitTimeMs")
         return CommitResult(
             watermark=watermark,
@@ -210,20 +238,57 @@ class ReplicaWriter:
             else None,
         )
 
+    @property
+    def durable_version(self) -> str:
+        """The state version the file holds (behind ``state_version`` inside a group)."""
+        return self._durable_version
+
+    def flush(self) -> None:
+        """Writes the group of transactions committed with ``flush=False``."""
+        if self._tx is not None:
+            raise ReplicaError(f"flush while transaction {self._tx.version} is open")
+        if not self._grouping:
+            return
+        try:
+            self._conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            self._discard_group()
+            raise ReplicaError(f"cannot commit up to {self._state_version}: {e}") from e
+        self._grouping = False
+        self._durable_version = self._state_version
+
     def abort(self) -> None:
-        """Discards the open transaction, if any."""
+        """Discards the open transaction, if any (a group's earlier ones stay)."""
         if self._tx is not None:
             self._rollback()
 
     def close(self) -> None:
         self.abort()
+        if self._grouping:
+            self.flush()
         self._conn.close()
 
     def _rollback(self) -> None:
         self._tx = None
         self._tables = None  # schema changes of the transaction are gone too
+        if self._grouping:
+            try:
+                self._conn.execute("ROLLBACK TO upstream_tx")
+                self._conn.execute("RELEASE upstream_tx")
+                return
+            except sqlite3.Error:
+                self._discard_group()
+                return
         if self._conn.in_transaction:
             self._conn.execute("ROLLBACK")
+
+    def _discard_group(self) -> None:
+        """The group could not be written: back to what the file holds."""
+        if self._conn.in_transaction:
+            self._conn.execute("ROLLBACK")
+        self._grouping = False
+        self._tables = None
+        self._state_version = self._durable_version
 
     # -- table lookups --------------------------------------------------------------
 
