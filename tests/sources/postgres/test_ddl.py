@@ -2,19 +2,18 @@
 the shard's event triggers, the emitted logical messages are read back through a
 ``test_decoding`` slot, and :class:`DdlEventProcessor` turns them into schema changes.
 
-Each test gets its own ``hpb_ddl_*`` database (shard ``hpb_0``, default publication over
+Each test gets its own scratch database (conftest) (shard ``hpb_0``, default publication over
 schema public) and slot, both dropped afterwards.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
 
 from app.protocol import canonical_json
 from app.sources.postgres.ddl import DdlError, DdlEventProcessor
@@ -24,24 +23,6 @@ from app.sources.postgres.shard import ShardConfig, setup_shard
 CFG = ShardConfig("hpb", 0)
 PUBS = ["_hpb_metadata_0", "_hpb_public_0"]
 PREFIX = "hpb/0/ddl"
-
-
-@pytest.fixture
-def db_url(pg_url: str) -> Iterator[str]:
-    name = f"hpb_ddl_{uuid.uuid4().hex[:10]}"
-    admin = make_conninfo(pg_url, dbname="postgres")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"'.encode())
-    try:
-        yield make_conninfo(pg_url, dbname=name)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(
-                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-                "WHERE database = %s",
-                [name],
-            )
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
 
 
 class Upstream:

@@ -1,19 +1,17 @@
 """The published-schema query against a real Postgres (spec/source.md §1.6): the JSON
 shape and key order of tables, columns and indexes, and ``replicaIdentityColumns``.
 
-Each test gets its own ``hpb_pub_*`` database with a publication ``hpb_p`` over schema
+Each test gets its own scratch database (conftest) with a publication ``hpb_p`` over schema
 public (no shard needed: the query only reads catalogs).
 """
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
 
 from app.sources.postgres.errors import PublicationError
 from app.sources.postgres.published import (
@@ -25,19 +23,6 @@ from app.sources.postgres.published import (
 )
 
 PUBS = ["hpb_p"]
-
-
-@pytest.fixture
-def db_url(pg_url: str) -> Iterator[str]:
-    name = f"hpb_pub_{uuid.uuid4().hex[:10]}"
-    admin = make_conninfo(pg_url, dbname="postgres")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"'.encode())
-    try:
-        yield make_conninfo(pg_url, dbname=name)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
 
 
 @pytest.fixture

@@ -1,13 +1,13 @@
 """Shard setup against a real Postgres (spec/source.md §5.1, §6.1): checks, idempotence,
 publications, replica identity, validation, degraded mode.
 
-Each test gets its own ``hpb_shard_*`` database, dropped afterwards.
+Each test gets its own scratch database (conftest), dropped afterwards.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
@@ -31,19 +31,6 @@ from app.sources.postgres.shard import (
 )
 
 CFG = ShardConfig("hpb", 0)
-
-
-@pytest.fixture
-def db_url(pg_url: str) -> Iterator[str]:
-    name = f"hpb_shard_{uuid.uuid4().hex[:10]}"
-    admin = make_conninfo(pg_url, dbname="postgres")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"'.encode())
-    try:
-        yield make_conninfo(pg_url, dbname=name)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Replication slots and replicas rows against a real Postgres (spec/source.md §5.2, §6.1).
 
 Slots are cluster-wide and few (``max_replication_slots``), so every test uses its own
-app ID ``hpb_s<random>`` and drops its slots before its ``hpb_slots_*`` database.
+app ID ``hpb_s<random>`` and its scratch database (conftest) is dropped with its slots.
 """
 
 from __future__ import annotations
@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
 
 from app.protocol.lexi import lsn_to_watermark
 from app.sources.postgres.errors import AutoResetRequired, SlotCreationError
@@ -65,35 +64,6 @@ def test_slot_status(restart_lsn: str | None, wal_status: str | None, status: st
 @pytest.fixture
 def cfg() -> ShardConfig:
     return ShardConfig(f"hpb_s{uuid.uuid4().hex[:8]}", 0)
-
-
-@pytest.fixture
-def db_url(pg_url: str, cfg: ShardConfig) -> Iterator[str]:
-    name = f"hpb_slots_{uuid.uuid4().hex[:10]}"
-    admin = make_conninfo(pg_url, dbname="postgres")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"'.encode())
-    try:
-        yield make_conninfo(pg_url, dbname=name)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            prefix = f"{cfg.shard_schema}_".replace("_", "\\_") + "%"
-            conn.execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
-                "WHERE slot_name LIKE %s AND active_pid IS NOT NULL",
-                [prefix],
-            )
-            for _ in range(200):  # a terminated walsender takes a moment to let go
-                try:
-                    conn.execute(
-                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-                        "WHERE slot_name LIKE %s",
-                        [prefix],
-                    )
-                    break
-                except psycopg.errors.ObjectInUse:
-                    time.sleep(0.01)
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
 
 
 @pytest.fixture
