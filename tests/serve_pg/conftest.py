@@ -472,3 +472,12 @@ def stored_xids(change_db: Path) -> list[int]:
     """The upstream xid of every transaction in the change log (one per stored begin)."""
     rows = lite_rows(change_db, 'SELECT change FROM "changeLog" WHERE pos = 0')
     return [json.loads(change)["xid"] for (change,) in rows if "xid" in json.loads(change)]
+
+
+async def start_ready(upstream: str, serve_factory: ServeFactory, **env: str) -> Serve:
+    """The workload schema upstream, then a serve process with ``env``, ready."""
+    await create_workload_schema(upstream)
+    serve = serve_factory(upstream, **env)
+    serve.start()
+    await serve.wait_ready()
+    return serve

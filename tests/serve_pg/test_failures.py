@@ -36,6 +36,7 @@ from tests.serve_pg.conftest import (
     pg_execute,
     pg_rows,
     replica_versions,
+    start_ready,
     stored_xids,
     wait_until_replica_matches,
 )
@@ -177,10 +178,7 @@ async def _walsender_pid(upstream: str) -> int:
 async def test_walsender_terminated_mid_stream_reconnects_and_loses_nothing(
     upstream: str, serve_factory: ServeFactory
 ) -> None:
-    await create_workload_schema(upstream)
-    serve = serve_factory(upstream)
-    serve.start()
-    await serve.wait_ready()
+    serve = await start_ready(upstream, serve_factory)
     writer = Writer(upstream, big_at=15, big_rows=500)
     writer.start()
     try:
@@ -229,10 +227,7 @@ async def drop_active_slot(upstream: str, slot: str, attempts: int = 200) -> Non
 async def test_slot_dropped_while_running_without_auto_reset_exits_with_an_error(
     upstream: str, serve_factory: ServeFactory
 ) -> None:
-    await create_workload_schema(upstream)
-    serve = serve_factory(upstream, ZERO_AUTO_RESET="false")
-    serve.start()
-    await serve.wait_ready()
+    serve = await start_ready(upstream, serve_factory, ZERO_AUTO_RESET="false")
     [(slot, _, _)] = await app_slots(upstream)
     await drop_active_slot(upstream, slot)
 

@@ -22,12 +22,12 @@ from tests.serve_pg.conftest import (
     Serve,
     ServeFactory,
     app_slots,
-    create_workload_schema,
     eventually,
     lite_rows,
     pg_execute,
     pg_rows,
     replica_versions,
+    start_ready,
     wait_until_replica_matches,
 )
 
@@ -60,10 +60,7 @@ async def new_column_matches(upstream: str, serve: Serve) -> list[str]:
 async def test_reset_required_with_auto_reset_resyncs_in_the_same_process(
     upstream: str, serve_factory: ServeFactory
 ) -> None:
-    await create_workload_schema(upstream)
-    serve = serve_factory(upstream, ZERO_AUTO_RESET="true")
-    serve.start()
-    await serve.wait_ready()
+    serve = await start_ready(upstream, serve_factory, ZERO_AUTO_RESET="true")
     old_version, _ = replica_versions(serve.replica_file)
     assert proc_pid(serve) is not None
 
@@ -106,10 +103,7 @@ def proc_pid(serve: Serve) -> int | None:
 async def test_reset_required_without_auto_reset_refuses_the_next_start(
     upstream: str, serve_factory: ServeFactory
 ) -> None:
-    await create_workload_schema(upstream)
-    serve = serve_factory(upstream, ZERO_AUTO_RESET="false")
-    serve.start()
-    await serve.wait_ready()
+    serve = await start_ready(upstream, serve_factory, ZERO_AUTO_RESET="false")
     version, _ = replica_versions(serve.replica_file)
 
     await pg_execute(upstream, ADD_VOLATILE_COLUMN)
@@ -136,10 +130,7 @@ async def test_reset_required_without_auto_reset_refuses_the_next_start(
 async def test_auto_reset_drops_the_old_replicas_slot(
     upstream: str, serve_factory: ServeFactory
 ) -> None:
-    await create_workload_schema(upstream)
-    serve = serve_factory(upstream, ZERO_AUTO_RESET="true")
-    serve.start()
-    await serve.wait_ready()
+    serve = await start_ready(upstream, serve_factory, ZERO_AUTO_RESET="true")
     old_version, _ = replica_versions(serve.replica_file)
     [(old_slot, _, _)] = await app_slots(upstream)
 

@@ -23,10 +23,10 @@ from tests.serve_pg.conftest import (
     Writer,
     app_slots,
     change_db_watermark,
-    create_workload_schema,
     eventually,
     pg_rows,
     replica_versions,
+    start_ready,
     stored_xids,
     wait_until_replica_matches,
 )
@@ -79,10 +79,7 @@ async def check_after_kill(upstream: str, serve: Serve, writer: Writer, previous
 async def test_sigkill_twice_during_writes_loses_and_repeats_nothing(
     upstream: str, serve_factory: ServeFactory
 ) -> None:
-    await create_workload_schema(upstream)
-    serve = serve_factory(upstream)
-    serve.start()
-    await serve.wait_ready()
+    serve = await start_ready(upstream, serve_factory)
     replica_version, _ = replica_versions(serve.replica_file)
     [(_, flush, _)] = await app_slots(upstream)
     assert flush is not None
