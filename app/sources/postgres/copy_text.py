@@ -34,7 +34,7 @@ class CopyFormatError(ValueError):
 
 def parse_copy_line(line: bytes | bytearray | memoryview, n_columns: int) -> list[str | None]:
     """One row: ``None`` for NULL, the unescaped text otherwise."""
-    text = bytes(line).decode("utf-8")
+    text = str(line, "utf-8")  # no copy of the bytes first (memoryview or bytes)
     if text.endswith("\n"):
         text = text[:-1]
     fields: list[str | None] = list(text.split("\t"))

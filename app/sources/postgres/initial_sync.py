@@ -319,6 +319,9 @@ _STORED_AS_PARSED: Final = frozenset(
 )
 
 
+_INTEGERS: Final = frozenset({INT2, INT4, INT8, OID})
+
+
 def _converter(
     registry: TypeRegistry, type_oid: int, lite_type: str
 ) -> Callable[[str], Any] | None:
@@ -326,6 +329,12 @@ def _converter(
     parse = registry.parser(type_oid, json_as_string=True)
     if parse is str:
         return None  # text-like, and json/jsonb kept as their text
+    if "INT" in lite_type.upper() and any(
+        parse is registry.parser(oid, json_as_string=True) for oid in _INTEGERS
+    ):
+        # SQLite's INTEGER affinity turns the decimal text into the same 64-bit integer
+        # (exactly, extremes included), so the text goes as it is.
+        return None
     if any(parse is registry.parser(oid, json_as_string=True) for oid in _STORED_AS_PARSED):
         return parse
 
