@@ -68,7 +68,14 @@ from app.sources.postgres.values import (
     load_type_registry,
 )
 
-__all__ = ["InitialSyncError", "SyncResult", "initial_sync", "remove_replica_files"]
+__all__ = [
+    "InitialSyncError",
+    "Progress",
+    "SyncResult",
+    "initial_sync",
+    "progress_line",
+    "remove_replica_files",
+]
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +107,7 @@ class SyncResult:
 
 
 @dataclass(slots=True)
-class _Progress:
+class Progress:
     table: str
     estimated_rows: int
     rows: int = 0
@@ -193,7 +200,7 @@ async def _copy_into(
     try:
         await lite.run(_create_tables, schema, slot.replica_version, publications)
         progress = [
-            _Progress(lite_table_name(t["schema"], t["name"]), estimates.get(t["oid"], 0))
+            Progress(lite_table_name(t["schema"], t["name"]), estimates.get(t["oid"], 0))
             for t in schema["tables"]
         ]
         queue: asyncio.Queue[tuple[str, list[str], list[list[Any]]] | None] = asyncio.Queue(
@@ -252,7 +259,7 @@ async def _estimates(conn: psycopg.AsyncConnection[Any], tables: list[TableSpec]
 async def _copy_worker(
     url: str,
     snapshot: str,
-    pending: list[tuple[TableSpec, _Progress]],
+    pending: list[tuple[TableSpec, Progress]],
     queue: asyncio.Queue[tuple[str, list[str], list[list[Any]]] | None],
     registry: TypeRegistry,
 ) -> None:
@@ -268,7 +275,7 @@ async def _copy_worker(
 async def _copy_table(
     conn: psycopg.AsyncConnection[Any],
     table: TableSpec,
-    progress: _Progress,
+    progress: Progress,
     queue: asyncio.Queue[tuple[str, list[str], list[list[Any]]] | None],
     registry: TypeRegistry,
 ) -> None:
@@ -358,25 +365,28 @@ async def _drain(
         await lite.run(_insert, *item)
 
 
-async def _report(progress: list[_Progress]) -> None:
+async def _report(progress: list[Progress]) -> None:
     while True:
         await asyncio.sleep(PROGRESS_EVERY_S)
+        now = time.monotonic()
         for p in progress:
-            if p.done or p.rows == 0 or p.estimated_rows < LARGE_TABLE_ROWS:
-                continue
-            elapsed = time.monotonic() - p.started
-            rate = p.rows / elapsed if elapsed > 0 else 0.0
-            left = max(p.estimated_rows - p.rows, 0)
-            eta = f"{left / rate:.0f} s" if rate > 0 else "?"
-            log.info(
-                "initial sync: %s: %d of ~%d rows, %.1f MB, %.0f rows/s, ETA %s",
-                p.table,
-                p.rows,
-                p.estimated_rows,
-                p.bytes / 1e6,
-                rate,
-                eta,
-            )
+            line = progress_line(p, now)
+            if line is not None:
+                log.info("%s", line)
+
+
+def progress_line(p: Progress, now: float) -> str | None:
+    """One table's progress, for tables large enough to be worth watching."""
+    if p.done or p.rows == 0 or p.estimated_rows < LARGE_TABLE_ROWS:
+        return None
+    elapsed = now - p.started
+    rate = p.rows / elapsed if elapsed > 0 else 0.0
+    left = max(p.estimated_rows - p.rows, 0)
+    eta = f"{left / rate:.0f} s" if rate > 0 else "?"
+    return (
+        f"initial sync: {p.table}: {p.rows:,} of ~{p.estimated_rows:,} rows, "
+        f"{p.bytes / 1e6:.1f} MB, {rate:,.0f} rows/s, ETA {eta}"
+    )
 
 
 # -- the SQLite side, all on one thread ------------------------------------------
