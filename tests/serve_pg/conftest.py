@@ -346,6 +346,8 @@ class Writer:
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        """Starts writing (again, after ``finish``: sequence numbers and ids go on)."""
+        self.stop.clear()
         self.task = asyncio.create_task(self._run(), name="hpf-writer")
 
     def check(self) -> None:
@@ -371,7 +373,8 @@ class Writer:
 
     async def _run(self, max_tx: int = 100_000) -> None:
         async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
-            for seq in range(1, max_tx + 1):
+            first = max(self.committed, default=0) + 1
+            for seq in range(first, first + max_tx):
                 if self.stop.is_set():
                     return
                 await self._one(conn, seq)
