@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,7 @@ from app.replica.ddl import (
 )
 from app.replica.lite_types import JSON_STRINGIFIED, lite_value
 from app.replica.schema import init_replica, open_replica
-from app.sources.postgres.copy_out import copy_out_batches
+from app.sources.postgres.copy_out import copy_out_rows
 from app.sources.postgres.copy_text import parse_copy_line
 from app.sources.postgres.published import PublishedSchema, TableSpec, published_schema
 from app.sources.postgres.shard import ShardConfig, check_published_tables, setup_shard
@@ -81,8 +82,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WORKERS: Final = 3
 BATCH_ROWS: Final = 5_000
-# Batches waiting for the SQLite thread; bounds memory when Postgres outruns SQLite.
-MAX_QUEUED_BATCHES: Final = 8
+# Copy threads wait this long for the replica's write lock (another thread's batch).
+LITE_BUSY_TIMEOUT_S: Final = 600.0
 PROGRESS_EVERY_S: Final = 5.0
 # A table is worth progress lines above this many estimated rows.
 LARGE_TABLE_ROWS: Final = 100_000
@@ -198,35 +199,40 @@ async def _copy_into(
         estimates = await _estimates(conn, schema["tables"])
     lite = _LiteThread(staging)
     try:
+        # Tables and metadata are committed first: the copy threads write the rows
+        # through connections of their own.
         await lite.run(_create_tables, schema, slot.replica_version, publications)
         progress = [
             Progress(lite_table_name(t["schema"], t["name"]), estimates.get(t["oid"], 0))
             for t in schema["tables"]
         ]
-        queue: asyncio.Queue[tuple[str, list[str], list[list[Any]]] | None] = asyncio.Queue(
-            MAX_QUEUED_BATCHES
-        )
         pending = list(zip(schema["tables"], progress, strict=True))
         n_workers = max(1, min(workers, len(pending)))
-        copiers = [
-            asyncio.create_task(
-                _copy_worker(upstream_url, slot.snapshot_name, pending, queue, registry)
-            )
-            for _ in range(n_workers)
-        ]
+        stop = threading.Event()
         reporter = asyncio.create_task(_report(progress))
-        try:
-            writer = asyncio.create_task(_drain(queue, lite, n_workers))
-            await asyncio.gather(*copiers, writer)
-        except BaseException:
-            for task in copiers:
-                task.cancel()
-            await asyncio.gather(*copiers, return_exceptions=True)
-            raise
-        finally:
-            reporter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reporter
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(n_workers, thread_name_prefix="initial-sync-copy") as pool:
+            copiers = [
+                loop.run_in_executor(
+                    pool,
+                    _copy_tables,
+                    upstream_url,
+                    slot.snapshot_name,
+                    pending,
+                    registry,
+                    staging,
+                    stop,
+                )
+                for _ in range(n_workers)
+            ]
+            try:
+                await asyncio.gather(*copiers)
+            finally:
+                stop.set()  # the others stop at their next batch
+                await asyncio.gather(*copiers, return_exceptions=True)
+                reporter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporter
         await lite.run(_create_indexes, schema)
         await lite.run(_commit)
         return schema, sum(p.rows for p in progress)
@@ -256,28 +262,45 @@ async def _estimates(conn: psycopg.AsyncConnection[Any], tables: list[TableSpec]
     return {int(oid): int(n) for oid, n in await cur.fetchall()}
 
 
-async def _copy_worker(
+def _copy_tables(
     url: str,
     snapshot: str,
     pending: list[tuple[TableSpec, Progress]],
-    queue: asyncio.Queue[tuple[str, list[str], list[list[Any]]] | None],
     registry: TypeRegistry,
+    staging: Path,
+    stop: threading.Event,
 ) -> None:
-    try:
-        async with await _snapshot_connection(url, snapshot) as conn:
-            while pending:
-                table, progress = pending.pop(0)
-                await _copy_table(conn, table, progress, queue, registry)
-    finally:
-        await queue.put(None)  # this worker is done
+    """A copy thread: takes tables from ``pending`` until none is left.
+
+    Blocking on purpose. Nothing else runs during an initial sync, so a thread that
+    reads COPY rows in a C loop (``get_copy_data`` without an event loop), converts
+    them and inserts them with its own SQLite connection does the whole job with no
+    hand-offs; the event loop only waits (and logs progress).
+    """
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        conn.execute(pgsql.SQL("SET TRANSACTION SNAPSHOT {}").format(pgsql.Literal(snapshot)))
+        lite = sqlite3.connect(staging, isolation_level=None, timeout=LITE_BUSY_TIMEOUT_S)
+        try:
+            # The staging file is discarded on failure; _commit makes it durable.
+            lite.execute("PRAGMA synchronous = OFF")
+            while not stop.is_set():
+                try:
+                    table, progress = pending.pop(0)
+                except IndexError:
+                    return
+                _copy_table(conn, lite, table, progress, registry, stop)
+        finally:
+            lite.close()
 
 
-async def _copy_table(
-    conn: psycopg.AsyncConnection[Any],
+def _copy_table(
+    conn: psycopg.Connection[Any],
+    lite: sqlite3.Connection,
     table: TableSpec,
     progress: Progress,
-    queue: asyncio.Queue[tuple[str, list[str], list[list[Any]]] | None],
     registry: TypeRegistry,
+    stop: threading.Event,
 ) -> None:
     name = progress.table
     progress.started = time.monotonic()
@@ -298,25 +321,41 @@ async def _copy_table(
         pgsql.Identifier(table["schema"]),
         pgsql.Identifier(table["name"]),
     )
+    insert = (
+        f"INSERT INTO {quote_id(name)} ({', '.join(quote_id(c) for c in names)}) "
+        f"VALUES ({', '.join('?' for _ in names)})"
+    )
     n = len(names)
     rows: list[list[Any]] = []
-    async for lines in copy_out_batches(conn, query.as_bytes(conn)):
-        for line in lines:
-            progress.bytes += len(line)
-            row: list[Any] = parse_copy_line(line, n)
-            for i, conv in converters:
-                value = row[i]
-                if value is not None:
-                    row[i] = conv(value)
-            rows.append(row)
+    for line in copy_out_rows(conn, query.as_bytes(conn)):
+        progress.bytes += len(line)
+        row: list[Any] = parse_copy_line(line, n)
+        for i, conv in converters:
+            value = row[i]
+            if value is not None:
+                row[i] = conv(value)
+        rows.append(row)
         if len(rows) >= BATCH_ROWS:
+            _insert_batch(lite, insert, rows)
             progress.rows += len(rows)
-            await queue.put((name, names, rows))
             rows = []
+            if stop.is_set():
+                raise InitialSyncError("stopped: another table's copy failed")
     if rows:
+        _insert_batch(lite, insert, rows)
         progress.rows += len(rows)
-        await queue.put((name, names, rows))
     progress.done = True
+
+
+def _insert_batch(lite: sqlite3.Connection, insert: str, rows: list[list[Any]]) -> None:
+    # One transaction per batch, so parallel copy threads take turns at the write lock.
+    lite.execute("BEGIN IMMEDIATE")
+    try:
+        lite.executemany(insert, rows)
+    except BaseException:
+        lite.execute("ROLLBACK")
+        raise
+    lite.execute("COMMIT")
 
 
 # Parsers whose JSON value is also the SQLite value (numbers, ms timestamps, and the
@@ -349,20 +388,6 @@ def _converter(
         return lite_value(parse(text), lite_type, JSON_STRINGIFIED)
 
     return convert
-
-
-async def _drain(
-    queue: asyncio.Queue[tuple[str, list[str], list[list[Any]]] | None],
-    lite: _LiteThread,
-    workers: int,
-) -> None:
-    remaining = workers
-    while remaining:
-        item = await queue.get()
-        if item is None:
-            remaining -= 1
-            continue
-        await lite.run(_insert, *item)
 
 
 async def _report(progress: list[Progress]) -> None:
@@ -435,15 +460,11 @@ def _create_tables(
         conn.execute(create_table_statement(name, columns))
         for column, spec in t["columns"].items():
             metadata.insert_column(conn, name, column, spec, None)
-
-
-def _insert(conn: sqlite3.Connection, table: str, names: list[str], rows: list[list[Any]]) -> None:
-    cols = ", ".join(quote_id(c) for c in names)
-    marks = ", ".join("?" for _ in names)
-    conn.executemany(f"INSERT INTO {quote_id(table)} ({cols}) VALUES ({marks})", rows)
+    conn.execute("COMMIT")
 
 
 def _create_indexes(conn: sqlite3.Connection, schema: PublishedSchema) -> None:
+    conn.execute("BEGIN IMMEDIATE")
     for index in schema["indexes"]:
         conn.execute(
             create_index_statement(
