@@ -66,6 +66,12 @@ def parse_ack(data: str | bytes) -> int:
     """The id acknowledged by a client frame; :class:`AckError` if it is anything else."""
     if not isinstance(data, str):
         raise AckError("binary frames are not accepted; an ack must be a text frame")
+    # The exact form every client sends, {"ack":N}, without a JSON parse (one per
+    # message per subscriber); anything else takes the checked path for its error.
+    if data.startswith('{"ack":') and data.endswith("}"):
+        digits = data[7:-1]
+        if digits.isascii() and digits.isdigit() and (digits == "0" or digits[0] != "0"):
+            return int(digits)
     try:
         value = loads(data)
     except ValueError as e:

@@ -58,12 +58,18 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
     async def send(self, message: ASGISendEvent) -> None:
         if message["type"] == "websocket.send":
             text = message.get("text")
+            conn = self.conn
+            # Sending needs less than reading: the parser's state does not matter.
             if (
                 text is not None
+                and self.handshake_complete
+                and not self.close_sent
+                and conn.state is State.OPEN
+                and not conn.extensions
+                and not conn.expect_continuation_frame
                 and self.writable.is_set()
                 and not self.disconnected
                 and self.initial_response is None
-                and self._plainly_open()
             ):
                 payload = text.encode()
                 self.transport.write(_frame_header(len(payload)) + payload)

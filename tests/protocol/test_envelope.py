@@ -122,6 +122,12 @@ def test_ack_frame_builder_round_trips() -> None:
         ('{"ack":null}', "got null"),
         ('{"ack":[1]}', "got array"),
         ('{"ack":-1}', "must be a non-negative integer, got -1"),
+        # Near misses of the fast path for the exact form {"ack":N}:
+        ('{"ack":01}', "not valid JSON"),
+        ('{"ack":\u0661}', "not valid JSON"),
+        ('{"ack":1}}', "not valid JSON"),
+        ('{"ack":}', "not valid JSON"),
+        ('{"ack":+1}', "not valid JSON"),
     ],
 )
 def test_every_non_ack_frame_is_an_ack_error_with_a_precise_reason(
