@@ -28,6 +28,7 @@ from collections.abc import Callable
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.protocol.envelope import AckError, batch_tail, msg_tail, parse_ack
+from app.server.ws_protocol import DIRECT, DirectSocket
 from app.streamer.downstream import Downstream, DownstreamClosed
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,28 @@ class Outbound:
         self._next_id = 1
         self._unacked: deque[tuple[int, Downstream | None, int]] = deque()
         self._lock = asyncio.Lock()
+        # uvicorn with our protocol offers per-frame shortcuts (app/server/ws_protocol.py).
+        extension = (websocket.scope.get("extensions") or {}).get(DIRECT)
+        self._direct: DirectSocket | None = extension.get("socket") if extension else None
+        if self._direct is not None:
+            self._direct.on_text = self._direct_ack
+
+    def _direct_ack(self, text: str) -> bool:
+        """An ack straight from the socket; False leaves anything else to the receive loop."""
+        try:
+            self.ack(parse_ack(text))
+        except (AckError, ProtocolViolation):
+            return False  # not consumed: the receive loop raises the precise error
+        return True
 
     async def send(self, tail: str, downstream: Downstream | None, count: int) -> None:
         async with self._lock:
             frame_id = self._next_id
             self._next_id += 1
             self._unacked.append((frame_id, downstream, count))
-            await self._websocket.send_text('{"id":' + str(frame_id) + tail)
+            text = '{"id":' + str(frame_id) + tail
+            if self._direct is None or not self._direct.try_send(text):
+                await self._websocket.send_text(text)
 
     async def send_raw(self, text: str) -> None:
         """A frame outside the id sequence (an ack of a client frame)."""

@@ -25,14 +25,39 @@ pin the behaviour, so an uvicorn or websockets upgrade that renames them fails l
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Final
 
 from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.http11 import Request
 from websockets.protocol import State
 from websockets.utils import apply_mask
 
-__all__ = ["LivenessProtocol"]
+__all__ = ["DIRECT", "DirectSocket", "LivenessProtocol"]
+
+# ASGI scope extension: ``scope["extensions"][DIRECT]["socket"]`` is this connection's
+# DirectSocket, for an app that wants to skip the ASGI message layer per frame.
+DIRECT: Final = "changestreamer.direct"
+
+
+class DirectSocket:
+    """Per-frame shortcuts past ASGI, for the replication streams' hot path.
+
+    ``try_send`` writes a text frame now if the connection is plainly open (False:
+    use the ASGI send). ``on_text``, when set, sees each inbound text frame first; if
+    it returns True the frame was handled (an ack) and never reaches the ASGI receive
+    queue, otherwise the frame is queued as usual — so an invalid frame still reaches
+    the app's receive loop with its error.
+    """
+
+    def __init__(self, protocol: LivenessProtocol) -> None:
+        self._protocol = protocol
+        self.on_text: Callable[[str], bool] | None = None
+
+    def try_send(self, text: str) -> bool:
+        return self._protocol.send_now(text)
+
 
 _FIN_TEXT: Final = 0x81
 _MASKED: Final = 0x80
@@ -55,26 +80,41 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
             self.pong_timer = None
             self.schedule_ping()
 
+    def handle_connect(self, event: Request) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)
+        if scope is not None and not self.handshake_complete:
+            self.direct = DirectSocket(self)
+            extensions = scope.get("extensions")
+            if extensions is None:
+                extensions = scope["extensions"] = {}
+            extensions[DIRECT] = {"socket": self.direct}
+
     async def send(self, message: ASGISendEvent) -> None:
         if message["type"] == "websocket.send":
             text = message.get("text")
-            conn = self.conn
-            # Sending needs less than reading: the parser's state does not matter.
-            if (
-                text is not None
-                and self.handshake_complete
-                and not self.close_sent
-                and conn.state is State.OPEN
-                and not conn.extensions
-                and not conn.expect_continuation_frame
-                and self.writable.is_set()
-                and not self.disconnected
-                and self.initial_response is None
-            ):
-                payload = text.encode()
-                self.transport.write(_frame_header(len(payload)) + payload)
+            if text is not None and self.send_now(text):
                 return
         await super().send(message)
+
+    def send_now(self, text: str) -> bool:
+        """Writes one text frame if the connection is plainly open; False otherwise."""
+        conn = self.conn
+        # Sending needs less than reading: the parser's state does not matter.
+        if not (
+            self.handshake_complete
+            and not self.close_sent
+            and conn.state is State.OPEN
+            and not conn.extensions
+            and not conn.expect_continuation_frame
+            and self.writable.is_set()
+            and not self.disconnected
+            and self.initial_response is None
+        ):
+            return False
+        payload = text.encode()
+        self.transport.write(_frame_header(len(payload)) + payload)
+        return True
 
     def _plainly_open(self) -> bool:
         conn = self.conn
@@ -95,6 +135,15 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
     def _deliver_text(self, text: str) -> None:
         """What uvicorn does with a complete text message (send_receive_event_to_app)."""
         if self.close_sent:
+            return
+        direct = getattr(self, "direct", None)
+        # Only while nothing waits in the queue: frames are seen in arrival order.
+        if (
+            direct is not None
+            and direct.on_text is not None
+            and self.queue.empty()
+            and direct.on_text(text)
+        ):
             return
         self.queue.put_nowait({"type": "websocket.receive", "text": text})
         if not self.read_paused:
