@@ -132,31 +132,8 @@ class Replicator:
 
     async def apply(self, message: ReplicaMessage) -> CommitResult | None:
         """Applies one message; returns the commit's result for a ``commit``."""
-        writer = self.writer
-        if isinstance(message, Data):
-            await self._call(writer.apply, message.body)
-        elif isinstance(message, Begin):
-            await self._call(writer.begin, message.commit_watermark, message.body)
-        elif isinstance(message, Commit):
-            result = await self._call(writer.commit, message.watermark, message.body)
-            self.commits += 1
-            if self._on_commit is not None:
-                self._on_commit(result)
-            return result
-        elif isinstance(message, Rollback):
-            await self._call(writer.abort)
-        elif isinstance(message, DownstreamStatus | Status):
-            if message.lag_report is not None:
-                self.last_lag_report = message.lag_report
-        elif isinstance(message, Control):
-            await self._call(writer.abort)
-            raise ResyncRequiredError(
-                f"the change source requires a re-sync ({message.tag}): "
-                f"{message.message or 'no message'}"
-            )
-        else:
-            raise ReplicaError(f"unexpected message {message!r}")
-        return None
+        results = await self.apply_batch([message])
+        return results[0] if results else None
 
     async def apply_batch(self, messages: Sequence[ReplicaMessage]) -> list[CommitResult]:
         """Applies several messages in one hop to the writer thread; the commits' results.

@@ -22,7 +22,7 @@ from app.protocol import canonical_json
 from app.protocol.downstream import DownstreamError, DownstreamStatus, parse_downstream_message
 from app.protocol.messages import Begin, Commit, Data, Rollback
 from app.replica.errors import ReplicaError
-from app.replica.replicator import Replicator
+from app.replica.replicator import ReplicaMessage, Replicator
 from app.sources.backoff import Backoff
 from app.streamer.downstream import DownstreamClosed
 from app.streamer.service import ChangeStreamerService, SubscriberContext
@@ -91,12 +91,13 @@ class BackupReplicator:
                     # Whatever else is queued goes in the same hop to the writer thread.
                     while len(batch) < MAX_BATCH and (more := downstream.get_nowait()) is not None:
                         batch.append(more)
-                    messages = [_message(canonical_json.loads(text)) for text in batch]
-                    for m in messages:
-                        if isinstance(m, DownstreamError):
+                    applied: list[ReplicaMessage] = []
+                    for text in batch:
+                        message = _message(canonical_json.loads(text))
+                        if isinstance(message, DownstreamError):
                             downstream.ack_next()  # the service waits for it before closing
-                            raise ReplicaError(f"the service refused the backup replica: {m}")
-                    applied = [m for m in messages if not isinstance(m, DownstreamError)]
+                            raise ReplicaError(f"the service refused the backup replica: {message}")
+                        applied.append(message)
                     results = await replicator.apply_batch(applied)
                     for _ in batch:
                         downstream.ack_next()

@@ -99,14 +99,9 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
 
     def send_now(self, text: str) -> bool:
         """Writes one text frame if the connection is plainly open; False otherwise."""
-        conn = self.conn
         # Sending needs less than reading: the parser's state does not matter.
         if not (
-            self.handshake_complete
-            and not self.close_sent
-            and conn.state is State.OPEN
-            and not conn.extensions
-            and not conn.expect_continuation_frame
+            self._open_for_frames()
             and self.writable.is_set()
             and not self.disconnected
             and self.initial_response is None
@@ -116,17 +111,21 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         self.transport.write(_frame_header(len(payload)) + payload)
         return True
 
-    def _plainly_open(self) -> bool:
+    def _open_for_frames(self) -> bool:
+        """Handshake done, no close begun, no extensions, no outgoing fragment."""
         conn = self.conn
         return (
             self.handshake_complete
             and not self.close_sent
             and conn.state is State.OPEN
             and not conn.extensions
-            and not conn.reader.buffer
-            and conn.current_size is None
             and not conn.expect_continuation_frame
         )
+
+    def _plainly_open(self) -> bool:
+        """Open for frames, and nothing half-read in the library's parser."""
+        conn = self.conn
+        return self._open_for_frames() and not conn.reader.buffer and conn.current_size is None
 
     def _max_message_size(self) -> int:
         size = self.conn.max_message_size

@@ -52,8 +52,6 @@ def parse_copy_line(line: bytes | bytearray | memoryview, n_columns: int) -> lis
 
 
 def _unescape(field: str) -> str:
-    if not any(ord(c) > 0x7F for c in field) and "\\x" not in field and not _has_octal(field):
-        return _ESCAPE.sub(lambda m: _SIMPLE.get(m.group(3), m.group(3)), field)
     # Octal/hex escapes are bytes: rebuild the field as bytes, then decode once.
     out = bytearray()
     pos = 0
@@ -71,13 +69,3 @@ def _unescape(field: str) -> str:
         return out.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CopyFormatError(f"COPY field is not UTF-8 after unescaping: {field[:200]!r}") from e
-
-
-def _has_octal(field: str) -> bool:
-    i = field.find("\\")
-    while i != -1 and i + 1 < len(field):
-        if field[i + 1] in "01234567":
-            return True
-        # Skip an escaped backslash as a unit.
-        i = field.find("\\", i + 2)
-    return False

@@ -171,10 +171,7 @@ class ChangeMapper:
                 "commitLsn": format_lsn(m.commit_lsn),
                 "commitEndLsn": format_lsn(m.end_lsn),
                 "commitTime": m.commit_time_us,
-                # Truncating division, as BigInt division in the reference.
-                "commitTimeMs": int(m.commit_time_us / 1000)
-                if m.commit_time_us < 0
-                else m.commit_time_us // 1000,
+                "commitTimeMs": _truncating_ms(m.commit_time_us),
             }
             return [Commit(commit, to_lexi(m.commit_lsn))]
         if isinstance(m, Relation):
@@ -306,3 +303,8 @@ def _key(rel: _Rel, values: TupleData) -> dict[str, Any]:
         if type(v) is str:
             key[rel.names[i]] = rel.parsers[i](v)
     return key
+
+
+def _truncating_ms(us: int) -> int:
+    """Microseconds → milliseconds rounded toward zero, as BigInt division in the reference."""
+    return us // 1000 if us >= 0 else -(-us // 1000)

@@ -152,7 +152,8 @@ _LSN_TEXT: Final = re.compile(r"([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})")
 
 
 def format_lsn(lsn: int) -> str:
-    """``XXXXXXXX/XXXXXXXX``: zero-padded upper-case hex, as zero emits ``commitLsn``."""
+    """Upper-case hex, 8 zero-padded digits each side (``00000000/01529750``), as zero
+    emits ``commitLsn``."""
     if not 0 <= lsn < 1 << 64:
         raise ValueError(f"LSN {lsn} is outside the unsigned 64-bit range")
     return f"{lsn >> 32:08X}/{lsn & 0xFFFFFFFF:08X}"
