@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -295,11 +296,14 @@ async def run_ws(
                 break
             await asyncio.sleep(0.01)
         start = time.perf_counter()
+        cpu_start = resource.getrusage(resource.RUSAGE_SELF)
         gate.set()
         out, _ = await child.communicate()
         delivered_s = time.perf_counter() - start
         await service.storer.wait_durable(final)
         stored_s = time.perf_counter() - start
+        cpu_end = resource.getrusage(resource.RUSAGE_SELF)
+        child_cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
         server.should_exit = True
         await serving
         await db.dispose()
@@ -308,7 +312,20 @@ async def run_ws(
     return {
         "changes/s": changes / max(delivered_s, stored_s),
         "frames/s": result["frames"] / delivered_s,
+        "delivered s": delivered_s,
+        "stored s": stored_s,
+        # CPU per data change: the service process (all threads) from the gate to
+        # the final commit stored, and the subscriber process over its whole life.
+        "service us/change": _cpu(cpu_start, cpu_end) / changes * 1e6,
+        "subscribers us/change": _cpu(None, child_cpu) / changes * 1e6,
     }
+
+
+def _cpu(start: resource.struct_rusage | None, end: resource.struct_rusage) -> float:
+    used = end.ru_utime + end.ru_stime
+    if start is not None:
+        used -= start.ru_utime + start.ru_stime
+    return used
 
 
 async def main() -> None:
@@ -317,24 +334,31 @@ async def main() -> None:
     parser.add_argument("--changes", type=int, default=100_000)
     parser.add_argument("--rate", type=float, default=10_000.0)
     parser.add_argument("--latency-seconds", type=float, default=10.0)
+    parser.add_argument("--ks", default="1,4,16", help="subscriber counts to run")
+    parser.add_argument("--frames", default="msg,batch", help="ws framings: msg (v6), batch (v7)")
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
     txs = build_transactions(args.changes // ROWS_PER_TX)
+    ks = [int(k) for k in args.ks.split(",")]
+    framings = args.frames.split(",")
 
     if "throughput" in scenarios:
         print(f"{'K':>3} {'changes/s (stored+delivered)':>30} {'messages/s delivered':>22}")
-        for k in (1, 4, 16):
+        for k in ks:
             r = await run(txs, k)
             rate, delivered = r["changes/s"], r["messages/s delivered"]
             print(f"{k:>3} {rate:>30,.0f} {delivered:>22,.0f}", flush=True)
     if "ws" in scenarios:
         print(f"{'K':>3} {'frames':>8} {'changes/s (stored+delivered)':>30} {'frames/s':>10}")
-        for k in (1, 4, 16):
-            for batched in (False, True):
-                r = await run_ws(txs, k, batched=batched)
-                kind = "batch" if batched else "msg"
+        for k in ks:
+            for kind in framings:
+                r = await run_ws(txs, k, batched=kind == "batch")
                 print(
-                    f"{k:>3} {kind:>8} {r['changes/s']:>30,.0f} {r['frames/s']:>10,.0f}", flush=True
+                    f"{k:>3} {kind:>8} {r['changes/s']:>30,.0f} {r['frames/s']:>10,.0f}"
+                    f"  (delivered {r['delivered s']:.2f} s, stored {r['stored s']:.2f} s; CPU "
+                    f"per change: service {r['service us/change']:.1f} µs, "
+                    f"subscribers {r['subscribers us/change']:.1f} µs)",
+                    flush=True,
                 )
     if "latency" in scenarios:
         n = int(args.rate * args.latency_seconds) // ROWS_PER_TX

@@ -37,6 +37,8 @@ PROTOCOL_ERROR = 1002
 NORMAL_CLOSURE = 1000
 MAX_REASON_BYTES = 123
 MAX_BATCH = 64
+# v6 frames already queued go out in one socket write, up to this many.
+MAX_COALESCED = 256
 SENDER_GRACE_S = 1.0
 
 
@@ -98,6 +100,19 @@ class Outbound:
             if self._direct is None or not self._direct.try_send(text):
                 await self._websocket.send_text(text)
 
+    async def send_each(self, messages: list[str], downstream: Downstream) -> None:
+        """One frame per message (v6), written together when the socket allows."""
+        async with self._lock:
+            texts = []
+            for message in messages:
+                frame_id = self._next_id
+                self._next_id += 1
+                self._unacked.append((frame_id, downstream, 1))
+                texts.append('{"id":' + str(frame_id) + ',"msg":' + message + "}")
+            if self._direct is None or not self._direct.try_send_many(texts):
+                for text in texts:
+                    await self._websocket.send_text(text)
+
     async def send_raw(self, text: str) -> None:
         """A frame outside the id sequence (an ack of a client frame)."""
         async with self._lock:
@@ -133,10 +148,15 @@ class Outbound:
                 first = await downstream.get()
             except DownstreamClosed:
                 return
-            if not batched:
-                await self.send(msg_tail(first), downstream, 1)
-                continue
             messages = [first]
+            if not batched:
+                while len(messages) < MAX_COALESCED:
+                    more = downstream.get_nowait()
+                    if more is None:
+                        break
+                    messages.append(more)
+                await self.send_each(messages, downstream)
+                continue
             while len(messages) < MAX_BATCH:
                 more = downstream.get_nowait()
                 if more is None:

@@ -131,6 +131,31 @@ async def test_a_fresh_replica_gets_status_then_transactions_with_ids_in_order(
         assert server.service.forwarder.acks() == ["02"]
 
 
+async def test_a_burst_goes_out_as_one_frame_per_message_with_consecutive_ids(
+    server: Server,
+) -> None:
+    """Queued v6 messages are written together, but each stays its own frame."""
+    async with connect(f"{server.url}/replication/v6/changes?{QUERY}") as ws:
+        assert (await recv(ws))["id"] == 1
+        await ws.send('{"ack":1}')
+        stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+        stream.push_all(txn("02", 600) + txn("03", 1))  # more than one write's worth
+        frames = []
+        for _ in range(605):  # acked as they come: flow control waits every 64 KiB
+            frames.append(await recv(ws))
+            await ws.send(f'{{"ack":{frames[-1]["id"]}}}')
+        assert [f["id"] for f in frames] == list(range(2, 607))
+        assert all(set(f) == {"id", "msg"} for f in frames)
+        tags = [f["msg"][0] for f in frames]
+        assert tags == ["begin", *["data"] * 600, "commit", "begin", "data", "commit"]
+        assert [f["msg"][1]["new"]["id"] for f in frames[1:601]] == list(range(600))
+        for _ in range(100):
+            if server.service.forwarder.acks() == ["03"]:
+                break
+            await asyncio.sleep(0.02)
+        assert server.service.forwarder.acks() == ["03"]
+
+
 async def test_wrong_replica_version_is_message_1_then_the_socket_closes(server: Server) -> None:
     url = f"{server.url}/replication/v6/changes?id=x&replicaVersion=0z&watermark=0z"
     async with connect(url) as ws:

@@ -12,7 +12,7 @@ import pytest
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 
-from app.server.ws_protocol import _frame_header, _text_frames
+from app.server.ws_protocol import _frame_header, _text_frames, _text_frames_bytes
 
 MAX = 1 << 20
 
@@ -22,18 +22,28 @@ def client_frame(text: str | bytes, *, fin: bool = True, opcode: Opcode = Opcode
     return Frame(opcode, data, fin=fin).serialize(mask=True, extensions=[])
 
 
-def read_server_frame(raw: bytes) -> Frame:
+def read_server_frames(raw: bytes) -> list[Frame]:
+    """Every frame of ``raw``; fails if anything is left over or incomplete."""
     reader = StreamReader()
     reader.feed_data(raw)
     reader.feed_eof()
-    parser: Generator[None, None, Frame] = Frame.parse(
-        reader.read_exact, mask=False, max_size=None, extensions=[]
-    )
-    try:
-        next(parser)
-    except StopIteration as done:
-        return done.value
-    raise AssertionError("the frame was incomplete")
+    frames = []
+    while reader.buffer:
+        parser: Generator[None, None, Frame] = Frame.parse(
+            reader.read_exact, mask=False, max_size=None, extensions=[]
+        )
+        try:
+            next(parser)
+        except StopIteration as done:
+            frames.append(done.value)
+            continue
+        raise AssertionError("a frame was incomplete")
+    return frames
+
+
+def read_server_frame(raw: bytes) -> Frame:
+    (frame,) = read_server_frames(raw)
+    return frame
 
 
 @pytest.mark.parametrize("size", [0, 1, 125, 126, 127, 65535, 65536, 200_000])
@@ -43,6 +53,13 @@ def test_server_frames_parse_as_one_fin_text_frame(size: int) -> None:
     assert frame.opcode is Opcode.TEXT
     assert frame.fin
     assert frame.data == payload
+
+
+def test_several_server_frames_written_together_parse_back_in_order() -> None:
+    texts = ['{"id":1,"msg":["begin"]}', "", "é" * 200, "x" * 70_000, '{"id":5}']
+    frames = read_server_frames(_text_frames_bytes(texts))
+    assert [f.data.decode() for f in frames] == texts
+    assert all(f.opcode is Opcode.TEXT and f.fin for f in frames)
 
 
 @pytest.mark.parametrize("size", [0, 1, 125, 126, 65535, 65536 - 1])
