@@ -32,6 +32,7 @@ __all__ = [
     "msg_tail",
     "parse_ack",
     "parse_envelope",
+    "quick_ack",
 ]
 
 
@@ -62,16 +63,26 @@ def ack_frame(id: int) -> str:
     return '{"ack":' + str(id) + "}"
 
 
+def quick_ack(text: str) -> int | None:
+    """The id of an ack in the exact form every client sends, ``{"ack":N}``; else None.
+
+    One per message per subscriber, so no JSON parse; None sends the frame to
+    ``parse_ack``, which accepts other valid spellings or names the error.
+    """
+    if text.startswith('{"ack":') and text.endswith("}"):
+        digits = text[7:-1]
+        if digits.isascii() and digits.isdigit() and (digits == "0" or digits[0] != "0"):
+            return int(digits)
+    return None
+
+
 def parse_ack(data: str | bytes) -> int:
     """The id acknowledged by a client frame; :class:`AckError` if it is anything else."""
     if not isinstance(data, str):
         raise AckError("binary frames are not accepted; an ack must be a text frame")
-    # The exact form every client sends, {"ack":N}, without a JSON parse (one per
-    # message per subscriber); anything else takes the checked path for its error.
-    if data.startswith('{"ack":') and data.endswith("}"):
-        digits = data[7:-1]
-        if digits.isascii() and digits.isdigit() and (digits == "0" or digits[0] != "0"):
-            return int(digits)
+    ack = quick_ack(data)
+    if ack is not None:
+        return ack
     try:
         value = loads(data)
     except ValueError as e:

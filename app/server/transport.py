@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from app.protocol.envelope import AckError, batch_tail, msg_tail, parse_ack
+from app.protocol.envelope import AckError, batch_tail, msg_tail, parse_ack, quick_ack
 from app.server.ws_protocol import DIRECT, DirectSocket
 from app.streamer.downstream import Downstream, DownstreamClosed
 
@@ -70,45 +70,70 @@ class Outbound:
     Frames come from a ``Downstream`` (whose messages an ack consumes) or are
     control frames with nothing to consume (v7 ``reserved``). Sends are
     serialized by a lock so that ids go out in order.
+
+    Ids run 1, 2, 3… and acks must name them in that order, so matching is a
+    counter; what an ack consumes is kept per run of frames (``_runs``: the run's
+    last id, its channel, messages per frame), not per frame.
     """
 
     def __init__(self, websocket: WebSocket) -> None:
         self._websocket = websocket
         self._next_id = 1
-        self._unacked: deque[tuple[int, Downstream | None, int]] = deque()
+        self._acked_id = 0
+        self._runs: deque[tuple[int, Downstream | None, int]] = deque()
         self._lock = asyncio.Lock()
         # uvicorn with our protocol offers per-frame shortcuts (app/server/ws_protocol.py).
         extension = (websocket.scope.get("extensions") or {}).get(DIRECT)
         self._direct: DirectSocket | None = extension.get("socket") if extension else None
         if self._direct is not None:
-            self._direct.on_text = self._direct_ack
+            self._direct.on_texts = self._direct_acks
 
-    def _direct_ack(self, text: str) -> bool:
-        """An ack straight from the socket; False leaves anything else to the receive loop."""
-        try:
-            self.ack(parse_ack(text))
-        except (AckError, ProtocolViolation):
-            return False  # not consumed: the receive loop raises the precise error
-        return True
+    def _direct_acks(self, texts: list[str]) -> int:
+        """Acks straight from the socket: how many of ``texts``, from the first, were
+        valid in-order acks and are now matched. The rest go to the receive loop,
+        which raises the precise error."""
+        acks: list[int] = []
+        for text in texts:
+            ack = quick_ack(text)
+            if ack is None:
+                break
+            acks.append(ack)
+        expected = self._acked_id + 1
+        last_sent = self._next_id - 1
+        n = len(acks)
+        if n and expected + n - 1 <= last_sent and acks == list(range(expected, expected + n)):
+            matched = n
+        else:
+            matched = 0
+            for ack in acks:
+                if ack != expected + matched or ack > last_sent:
+                    break
+                matched += 1
+        if matched:
+            self._consume_through(expected + matched - 1)
+        return matched
+
+    def _frame(self, downstream: Downstream | None, count: int, frames: int = 1) -> int:
+        """Takes ``frames`` ids (each consuming ``count`` messages); returns the first."""
+        first = self._next_id
+        self._next_id += frames
+        self._runs.append((self._next_id - 1, downstream, count))
+        return first
 
     async def send(self, tail: str, downstream: Downstream | None, count: int) -> None:
         async with self._lock:
-            frame_id = self._next_id
-            self._next_id += 1
-            self._unacked.append((frame_id, downstream, count))
-            text = '{"id":' + str(frame_id) + tail
+            text = '{"id":' + str(self._frame(downstream, count)) + tail
             if self._direct is None or not self._direct.try_send(text):
                 await self._websocket.send_text(text)
 
     async def send_each(self, messages: list[str], downstream: Downstream) -> None:
         """One frame per message (v6), written together when the socket allows."""
         async with self._lock:
+            frame_id = self._frame(downstream, 1, len(messages))
             texts = []
             for message in messages:
-                frame_id = self._next_id
-                self._next_id += 1
-                self._unacked.append((frame_id, downstream, 1))
                 texts.append('{"id":' + str(frame_id) + ',"msg":' + message + "}")
+                frame_id += 1
             if self._direct is None or not self._direct.try_send_many(texts):
                 for text in texts:
                     await self._websocket.send_text(text)
@@ -131,15 +156,26 @@ class Outbound:
         self.ack(ack)
 
     def ack(self, ack: int) -> None:
-        if not self._unacked:
+        expected = self._acked_id + 1
+        if expected >= self._next_id:
             raise ProtocolViolation(f"ack {ack} for a frame that was not sent")
-        frame_id, downstream, count = self._unacked[0]
-        if ack != frame_id:
-            raise ProtocolViolation(f"unexpected ack {ack}: expected ack {frame_id}")
-        self._unacked.popleft()
-        if downstream is not None and not downstream.closed:
-            for _ in range(count):
-                downstream.ack_next()
+        if ack != expected:
+            raise ProtocolViolation(f"unexpected ack {ack}: expected ack {expected}")
+        self._consume_through(ack)
+
+    def _consume_through(self, acked_id: int) -> None:
+        """Frames up to ``acked_id`` were acked: consume their messages."""
+        done = self._acked_id
+        self._acked_id = acked_id
+        runs = self._runs
+        while runs and done < acked_id:
+            last, downstream, count = runs[0]
+            through = min(last, acked_id)
+            if downstream is not None and count and not downstream.closed:
+                downstream.ack_many((through - done) * count)
+            done = through
+            if last <= acked_id:
+                runs.popleft()
 
     async def pump(self, downstream: Downstream, *, batched: bool) -> None:
         """Sends ``downstream`` until it closes."""
@@ -148,20 +184,11 @@ class Outbound:
                 first = await downstream.get()
             except DownstreamClosed:
                 return
-            messages = [first]
             if not batched:
-                while len(messages) < MAX_COALESCED:
-                    more = downstream.get_nowait()
-                    if more is None:
-                        break
-                    messages.append(more)
+                messages = [first, *downstream.take(MAX_COALESCED - 1)]
                 await self.send_each(messages, downstream)
                 continue
-            while len(messages) < MAX_BATCH:
-                more = downstream.get_nowait()
-                if more is None:
-                    break
-                messages.append(more)
+            messages = [first, *downstream.take(MAX_BATCH - 1)]
             tail = msg_tail(first) if len(messages) == 1 else batch_tail(messages)
             await self.send(tail, downstream, len(messages))
 

@@ -45,15 +45,15 @@ class DirectSocket:
     """Per-frame shortcuts past ASGI, for the replication streams' hot path.
 
     ``try_send`` writes a text frame now if the connection is plainly open (False:
-    use the ASGI send). ``on_text``, when set, sees each inbound text frame first; if
-    it returns True the frame was handled (an ack) and never reaches the ASGI receive
-    queue, otherwise the frame is queued as usual — so an invalid frame still reaches
-    the app's receive loop with its error.
+    use the ASGI send). ``on_texts``, when set, sees the inbound text frames of each
+    read first and returns how many of them, from the first, it handled (acks);
+    those never reach the ASGI receive queue, the rest are queued as usual — so an
+    invalid frame still reaches the app's receive loop with its error.
     """
 
     def __init__(self, protocol: LivenessProtocol) -> None:
         self._protocol = protocol
-        self.on_text: Callable[[str], bool] | None = None
+        self.on_texts: Callable[[list[str]], int] | None = None
 
     def try_send(self, text: str) -> bool:
         return self._protocol.send_now(text)
@@ -74,9 +74,8 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         texts = _text_frames(data, self._max_message_size()) if self._plainly_open() else None
         if texts is None:
             super().data_received(data)
-        else:
-            for text in texts:
-                self._deliver_text(text)
+        elif texts:
+            self._deliver_texts(texts)
         if self.pending_ping_payload is not None and self.pong_timer is not None:
             # As good as a pong: the peer is reading and writing.
             self.pending_ping_payload = None
@@ -152,21 +151,18 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         size = self.conn.max_message_size
         return size if size is not None else 1 << 62
 
-    def _deliver_text(self, text: str) -> None:
-        """What uvicorn does with a complete text message (send_receive_event_to_app)."""
+    def _deliver_texts(self, texts: list[str]) -> None:
+        """What uvicorn does with complete text messages (send_receive_event_to_app)."""
         if self.close_sent:
             return
         direct = getattr(self, "direct", None)
+        handled = 0
         # Only while nothing waits in the queue: frames are seen in arrival order.
-        if (
-            direct is not None
-            and direct.on_text is not None
-            and self.queue.empty()
-            and direct.on_text(text)
-        ):
-            return
-        self.queue.put_nowait({"type": "websocket.receive", "text": text})
-        if not self.read_paused:
+        if direct is not None and direct.on_texts is not None and self.queue.empty():
+            handled = direct.on_texts(texts)
+        for text in texts[handled:]:
+            self.queue.put_nowait({"type": "websocket.receive", "text": text})
+        if handled < len(texts) and not self.read_paused:
             self.read_paused = True
             self.transport.pause_reading()
 

@@ -1,11 +1,11 @@
 """The outbound channel of one subscriber, between the streamer and a transport.
 
-The streamer ``push``es pre-serialized JSON messages; each push returns a future
-that resolves ``True`` when the subscriber has *consumed* the message (its ack
-arrived) or ``False`` if the channel closed first. The transport (a websocket
-sender, or a test) takes messages with ``get`` in order, sends them without
-waiting for acks (pipelining), and reports acks with ``ack_next``, which must
-come in order.
+The streamer ``push``es pre-serialized JSON messages; a *tracked* push returns a
+future that resolves ``True`` when the subscriber has *consumed* the message (its
+ack arrived) or ``False`` if the channel closed first, and ``on_consumed`` hears
+the consumed count after every ack. The transport (a websocket sender, or a test)
+takes messages with ``get``/``take`` in order, sends them without waiting for acks
+(pipelining), and reports acks with ``ack_next``/``ack_many``, in order.
 
 Bounded: if the bytes pushed but not yet consumed exceed ``max_unconsumed_bytes``
 the channel closes itself (the subscriber is dropped and resumes from the change
@@ -29,9 +29,17 @@ class DownstreamClosed(Exception):
 class Downstream:
     def __init__(self, *, max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES) -> None:
         self._max = max_unconsumed_bytes
-        self._unsent: deque[tuple[str, asyncio.Future[bool] | None]] = deque()
-        self._sent: deque[tuple[int, asyncio.Future[bool] | None]] = deque()
-        self._unconsumed_bytes = 0
+        self._unsent: deque[str] = deque()
+        # Byte accounting without a per-message record to pop: ``_ends[i]`` is the
+        # running total of pushed bytes at the end of message ``_head + i + 1``
+        # (numbered from 1), so consuming n messages is one index step.
+        self._ends: list[int] = []
+        self._head = 0
+        self._pushed_bytes = 0
+        self._consumed_bytes = 0
+        # Consumption futures of tracked pushes, by message number, in order.
+        self._trackers: deque[tuple[int, asyncio.Future[bool]]] = deque()
+        self._on_consumed: Callable[[int], None] | None = None
         self._wakeup: asyncio.Event = asyncio.Event()
         self._closed = False
         self._close_reason: str | None = None
@@ -49,12 +57,16 @@ class Downstream:
 
     @property
     def unconsumed_bytes(self) -> int:
-        return self._unconsumed_bytes
+        return self._pushed_bytes - self._consumed_bytes
 
     @property
     def pending(self) -> int:
         """Messages pushed and not yet consumed."""
-        return len(self._unsent) + len(self._sent)
+        return self.pushed - self.consumed
+
+    @property
+    def sent_unacked(self) -> int:
+        return self.pushed - len(self._unsent) - self.consumed
 
     def on_close(self, callback: Callable[[], None]) -> None:
         """Runs ``callback`` once when the channel closes (at once if it already has)."""
@@ -63,18 +75,23 @@ class Downstream:
         else:
             self._on_close.append(callback)
 
+    def on_consumed(self, callback: Callable[[int], None]) -> None:
+        """Calls ``callback(consumed)`` after each ack (one listener: the subscriber)."""
+        self._on_consumed = callback
+
     @overload
-    def push(self, message: str) -> asyncio.Future[bool]: ...
+    def push(self, message: str) -> None: ...
     @overload
     def push(self, message: str, *, track: Literal[True]) -> asyncio.Future[bool]: ...
     @overload
     def push(self, message: str, *, track: bool) -> asyncio.Future[bool] | None: ...
 
-    def push(self, message: str, *, track: bool = True) -> asyncio.Future[bool] | None:
+    def push(self, message: str, *, track: bool = False) -> asyncio.Future[bool] | None:
         """Queues a message; with ``track``, returns the future of its consumption.
 
         Untracked pushes skip the future: most forwarded changes have nobody
-        waiting on them, and a future per change is a measurable cost.
+        waiting on them, and a future per change is a measurable cost. Its
+        number (``pushed`` right after the call) identifies it to ``on_consumed``.
         """
         future: asyncio.Future[bool] | None = None
         if track:
@@ -83,11 +100,14 @@ class Downstream:
             if future is not None:
                 future.set_result(False)
             return future
-        self._unsent.append((message, future))
-        self._unconsumed_bytes += len(message)
+        self._unsent.append(message)
+        self._pushed_bytes += len(message)
+        self._ends.append(self._pushed_bytes)
         self.pushed += 1
+        if future is not None:
+            self._trackers.append((self.pushed, future))
         self._wakeup.set()
-        if self._unconsumed_bytes > self._max:
+        if self._pushed_bytes - self._consumed_bytes > self._max:
             self.close(f"more than {self._max} bytes sent but not acknowledged")
         return future
 
@@ -100,31 +120,49 @@ class Downstream:
             await self._wakeup.wait()
         if self._closed:
             raise DownstreamClosed(self._close_reason or "closed")
-        message, future = self._unsent.popleft()
-        self._sent.append((len(message), future))
-        return message
+        return self._unsent.popleft()
 
     def get_nowait(self) -> str | None:
         """Like ``get`` but returns None when nothing is ready (for batching senders)."""
         if self._closed or not self._unsent:
             return None
-        message, future = self._unsent.popleft()
-        self._sent.append((len(message), future))
-        return message
+        return self._unsent.popleft()
+
+    def take(self, limit: int) -> list[str]:
+        """Up to ``limit`` more ready messages, without waiting (for batching senders)."""
+        unsent = self._unsent
+        if self._closed or not unsent:
+            return []
+        if len(unsent) <= limit:
+            taken = list(unsent)
+            unsent.clear()
+            return taken
+        return [unsent.popleft() for _ in range(limit)]
 
     def ack_next(self) -> None:
         """The subscriber consumed the oldest sent message."""
-        if not self._sent:
-            raise ValueError("ack for a message that was not sent")
-        size, future = self._sent.popleft()
-        self._unconsumed_bytes -= size
-        self.consumed += 1
-        if future is not None and not future.done():
-            future.set_result(True)
+        self.ack_many(1)
 
-    @property
-    def sent_unacked(self) -> int:
-        return len(self._sent)
+    def ack_many(self, n: int) -> None:
+        """The subscriber consumed the ``n`` oldest sent messages."""
+        if n <= 0:
+            return
+        if n > self.sent_unacked:
+            raise ValueError("ack for a message that was not sent")
+        self.consumed += n
+        head = self._head + n
+        self._consumed_bytes = self._ends[head - 1]
+        if head >= 1024 and head * 2 >= len(self._ends):
+            del self._ends[:head]
+            head = 0
+        self._head = head
+        trackers = self._trackers
+        while trackers and trackers[0][0] <= self.consumed:
+            future = trackers.popleft()[1]
+            if not future.done():
+                future.set_result(True)
+        if self._on_consumed is not None:
+            self._on_consumed(self.consumed)
 
     def close(self, reason: str | None = None) -> None:
         """Closes the channel: outstanding pushes resolve ``False``; cleanups run once."""
@@ -132,15 +170,14 @@ class Downstream:
             return
         self._closed = True
         self._close_reason = reason
-        for _, future in self._unsent:
-            if future is not None and not future.done():
+        for _, future in self._trackers:
+            if not future.done():
                 future.set_result(False)
-        for _, pending in self._sent:
-            if pending is not None and not pending.done():
-                pending.set_result(False)
+        self._trackers.clear()
         self._unsent.clear()
-        self._sent.clear()
-        self._unconsumed_bytes = 0
+        self._ends.clear()
+        self._head = 0
+        self._consumed_bytes = self._pushed_bytes
         self._wakeup.set()
         callbacks, self._on_close = self._on_close, []
         for callback in callbacks:

@@ -73,10 +73,13 @@ class Subscriber:
         self._room = asyncio.Event()  # set when drained-but-unconsumed bytes fall below high water
         self._initialized = False
         self._closed = False
+        # Commits pushed and not yet consumed: (message number, watermark).
+        self._commits: deque[tuple[int, str]] = deque()
         # Flow-control bookkeeping (broadcast / laggard detection).
         self.missed_last_timeout = False
         self.lagging_since: float | None = None
         downstream.on_close(self._on_downstream_closed)
+        downstream.on_consumed(self._on_consumed)
 
     # -- state --------------------------------------------------------------
 
@@ -132,7 +135,7 @@ class Subscriber:
     def catchup(self, change: Change) -> asyncio.Future[bool] | None:
         """A change read from the change log; returns the consumption of commits."""
         self._initialize()
-        return self._emit(change, track=False)
+        return self._emit(change, track=change.tag == "commit")
 
     def set_caught_up(self) -> None:
         """Catch-up is done: drain the backlog (bounded in flight), then go live."""
@@ -184,21 +187,25 @@ class Subscriber:
             self.downstream.push(status_json(self._latest_lag_report()))
 
     def _emit(self, change: Change, *, track: bool) -> asyncio.Future[bool] | None:
-        """Pushes ``change``; returns its consumption if tracked (commits always are)."""
+        """Pushes ``change``; returns its consumption if tracked."""
         if self._closed or change.watermark <= self.watermark:
             return None
         if change.tag in self._unsupported:
             return None
-        if change.tag != "commit":
-            return self.downstream.push(change.json, track=track)
-        consumed = self.downstream.push(change.json)
-        self.watermark = change.watermark
-        consumed.add_done_callback(partial(self._on_commit_consumed, change.watermark))
+        consumed = self.downstream.push(change.json, track=track)
+        if change.tag == "commit":
+            self.watermark = change.watermark
+            self._commits.append((self.downstream.pushed, change.watermark))
         return consumed
 
-    def _on_commit_consumed(self, watermark: str, future: asyncio.Future[bool]) -> None:
-        if not future.cancelled() and future.result() and watermark > self.acked:
-            self.acked = watermark
+    def _on_consumed(self, consumed: int) -> None:
+        """Acks arrived: the newest consumed commit is the acked watermark."""
+        commits = self._commits
+        acked = None
+        while commits and commits[0][0] <= consumed:
+            acked = commits.popleft()[1]
+        if acked is not None and acked > self.acked:
+            self.acked = acked
 
     # -- closing ------------------------------------------------------------
 
@@ -212,7 +219,7 @@ class Subscriber:
             self.downstream.close(message or None)
             return
         self._stop_buffering()
-        sent = self.downstream.push(error_message_json(error_type, message))
+        sent = self.downstream.push(error_message_json(error_type, message), track=True)
         self._closed = True
         sent.add_done_callback(lambda _: self.downstream.close(message))
 
