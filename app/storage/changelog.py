@@ -54,7 +54,7 @@ class WriteTransaction:
     _last_watermark: str | None = None
     rows_written: int = 0
 
-    async def append(self, rows: Sequence[ChangeRow]) -> None:
+    async def append(self, rows: Sequence[StoredRow]) -> None:
         """Inserts rows (of any number of upstream transactions) in one statement."""
         if not rows:
             return

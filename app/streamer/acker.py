@@ -141,14 +141,14 @@ class UpstreamAcker:
     @property
     def durable(self) -> str | None:
         """The watermark every tracked store has reached, if all have reported."""
-        marks: list[str | None] = []
-        if self._with_change_log:
-            marks.append(self._change_log)
-        if self._with_backup:
-            marks.append(self._backup)
-        if any(m is None for m in marks):
+        # Read on every commit: no temporary collections.
+        if not self._with_backup:
+            return self._change_log
+        if not self._with_change_log or self._backup is None:
+            return self._backup
+        if self._change_log is None:
             return None
-        return min(m for m in marks if m is not None)
+        return min(self._change_log, self._backup)
 
     @property
     def last_ack(self) -> str:

@@ -51,14 +51,14 @@ class Pump:
         finally:
             self.readable.set()
 
-    def take(self) -> ChangeSourceMessage | None:
-        """The next buffered message, or None if the buffer is empty."""
+    def take_all(self) -> list[ChangeSourceMessage]:
+        """Every buffered message (empty if none): the main loop works in batches."""
         if not self.buffer:
-            return None
-        message = self.buffer.popleft()
-        if len(self.buffer) < self._limit // 2:
-            self._space.set()
-        return message
+            return []
+        batch = list(self.buffer)
+        self.buffer.clear()
+        self._space.set()
+        return batch
 
     async def close(self) -> None:
         self._task.cancel()

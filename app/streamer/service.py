@@ -327,8 +327,8 @@ class ChangeStreamerService:
                 if storer_task.done():
                     storer_task.result()  # raises the storer's failure
                     raise RuntimeError("the storer stopped unexpectedly")
-                message = pump.take()
-                if message is None:
+                batch = pump.take_all()
+                if not batch:
                     if ended.done():
                         ended.result()  # raises the stream's failure, if it failed
                         return
@@ -337,29 +337,32 @@ class ChangeStreamerService:
                     await self._race(readable, ended, storer_task)
                     readable.cancel()
                     continue
-                if isinstance(message, Control):
-                    await self._reset_required(message)
-                    continue
-                dispatched = self._dispatch(message)
-                if dispatched is None:
-                    continue
-                size, change = dispatched
-                unflushed += size
-                if unflushed < FLUSH_THRESHOLD:
-                    self.forwarder.forward(change)
-                else:
-                    unflushed = 0
-                    released = asyncio.ensure_future(
-                        self.forwarder.forward_with_flow_control(change)
-                    )
-                    await self._race(released, ended, storer_task)
-                    if not released.done():
-                        self.forwarder.release_current()
-                        released.cancel()
-                        self._raise_if_ended(ended)
-                        return
-                if change.tag in ("commit", "rollback"):
-                    self._tx = None
+                for message in batch:
+                    if type(message) is Control:
+                        await self._reset_required(message)
+                        continue
+                    dispatched = self._dispatch(message)
+                    if dispatched is None:
+                        continue
+                    size, change = dispatched
+                    unflushed += size
+                    if unflushed < FLUSH_THRESHOLD:
+                        self.forwarder.forward(change)
+                    else:
+                        unflushed = 0
+                        released = asyncio.ensure_future(
+                            self.forwarder.forward_with_flow_control(change)
+                        )
+                        await self._race(released, ended, storer_task)
+                        if not released.done():
+                            self.forwarder.release_current()
+                            released.cancel()
+                            self._raise_if_ended(ended)
+                            return
+                    if change.tag in ("commit", "rollback"):
+                        self._tx = None
+                # The byte budget is checked per batch (at most the pump's 256
+                # messages past it), not per message.
                 gate = self.storer.ready_for_more()
                 if gate is not None:
                     await self._race(gate, ended, storer_task)

@@ -41,7 +41,7 @@ from typing import Any
 
 from app.protocol.codec import change_tag, reconstruct
 from app.protocol.errors import ErrorType
-from app.storage import AbortError, AutoResetSignal, ChangeLog, ChangeRow, Replication
+from app.storage import AbortError, AutoResetSignal, ChangeLog, Replication, StoredRow
 from app.storage.backfill import BookkeepingOp, bookkeeping_for
 from app.storage.changelog import WriteTransaction
 from app.streamer.subscriber import Change, Mode, Subscriber
@@ -62,13 +62,10 @@ class StorerStopped(Exception):
     """The storer stopped before a subscriber's catch-up bound became durable."""
 
 
-@dataclass(slots=True)
-class _Entry:
-    watermark: str
-    tag: str
-    json: str  # the change object's text, as stored
-    body: dict[str, Any] | None  # kept for begin (skipAck) and schema changes
-
+# A queued message: (watermark, tag, the change object's text as stored, body).
+# The body is kept for begin (skipAck) and schema changes only. A plain tuple:
+# one is built per change on the main loop.
+_Entry = tuple[str, str, str, dict[str, Any] | None]
 
 _ABORT = object()
 _STOP = object()
@@ -78,7 +75,7 @@ _STOP = object()
 class _OpenTx:
     watermark: str
     skip_ack: bool
-    rows: list[ChangeRow] = field(default_factory=list)
+    rows: list[StoredRow] = field(default_factory=list)
     ops: list[BookkeepingOp] = field(default_factory=list)
     pos: int = 0
     bytes: int = 0
@@ -151,7 +148,7 @@ class Storer:
     ) -> None:
         """Queues one begin/data/commit/rollback message of the stream."""
         self._queued_bytes += len(message_json)
-        self._queue.append(_Entry(watermark, tag, message_json, body))
+        self._queue.append((watermark, tag, message_json, body))
         self._queue_ready.set()
         if tag == "begin":
             self._enqueued_in_tx = True
@@ -304,11 +301,13 @@ class Storer:
                     await self._queue_ready.wait()
                 queue = self._queue
                 items = [queue.popleft() for _ in range(min(len(queue), self._group_max_rows))]
+                self._processed(sum(len(i[2]) for i in items if type(i) is tuple))
                 for item in items:
-                    if item is _STOP:
-                        stopping = True
-                        break
-                    if item is _ABORT:
+                    if type(item) is not tuple:
+                        if item is _STOP:
+                            stopping = True
+                            break
+                        # _ABORT
                         if tx is not None:
                             log.info(
                                 "dropping transaction %s: the stream was aborted", tx.watermark
@@ -317,35 +316,33 @@ class Storer:
                                 await close_db_tx(commit=False)
                             tx = None
                         continue
-                    assert isinstance(item, _Entry)
-                    self._processed(len(item.json))
-                    if item.tag == "begin":
+                    watermark, tag, text, body = item
+                    if tag == "begin":
                         if tx is not None:
                             raise AssertionError(
-                                f"begin {item.watermark} while transaction {tx.watermark} is open"
+                                f"begin {watermark} while transaction {tx.watermark} is open"
                             )
-                        skip = bool(item.body and item.body.get("skipAck") is True)
-                        tx = _OpenTx(item.watermark, skip)
-                        tx.rows.append(ChangeRow(item.watermark, 0, item.json))
-                        tx.bytes = len(item.json)
+                        tx = _OpenTx(watermark, bool(body and body.get("skipAck") is True))
+                        tx.rows.append((watermark, 0, text, None))
+                        tx.bytes = len(text)
                         continue
                     if tx is None:
-                        raise AssertionError(f"{item.tag} {item.watermark} outside a transaction")
-                    if item.tag == "rollback":
+                        raise AssertionError(f"{tag} {watermark} outside a transaction")
+                    if tag == "rollback":
                         if tx.flushed:
                             await close_db_tx(commit=False)
                         tx = None
                         continue
                     tx.pos += 1
-                    if item.tag == "commit":
-                        tx.rows.append(ChangeRow(tx.watermark, tx.pos, item.json, tx.watermark))
+                    if tag == "commit":
+                        tx.rows.append((tx.watermark, tx.pos, text, tx.watermark))
                         completed.append(tx)
                         tx = None
                         continue
-                    tx.rows.append(ChangeRow(tx.watermark, tx.pos, item.json))
-                    tx.bytes += len(item.json)
-                    if item.body is not None:
-                        tx.ops.extend(bookkeeping_for(item.body))
+                    tx.rows.append((tx.watermark, tx.pos, text, None))
+                    tx.bytes += len(text)
+                    if body is not None:
+                        tx.ops.extend(bookkeeping_for(body))
                     if tx.bytes >= self._open_tx_flush_bytes:
                         await flush_open(tx)
                 if tx is not None and tx.flushed and tx.rows:
@@ -379,8 +376,8 @@ class Storer:
     def _drain_queue(self) -> None:
         while self._queue:
             item = self._queue.popleft()
-            if isinstance(item, _Entry):
-                self._queued_bytes -= len(item.json)
+            if type(item) is tuple:
+                self._queued_bytes -= len(item[2])
         # Subscribers parked mid-transaction can no longer be served: they reconnect.
         parked, self._parked = self._parked, []
         for request in parked:

@@ -53,10 +53,11 @@ async def client(server: Server) -> AsyncIterator[RawClient]:
     host, port = server.url.removeprefix("ws://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     key = base64.b64encode(os.urandom(16)).decode()
-    writer.write(
+    request = (
         f"GET {PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
-        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
     )
+    writer.write(request.encode())
     response = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
     assert response.startswith(b"HTTP/1.1 101")
     yield RawClient(reader, writer)

@@ -461,8 +461,11 @@ async def test_upstream_death_behind_a_wedged_storer_rolls_back_at_once(
     blocker = await change_db.writer.connect()
     await blocker.begin()
     try:
-        # The commit of 02 makes the storer write, and wait for the connection.
-        stream.push_all([*txn("02"), begin("03"), *[insert(i) for i in range(50)]])
+        # The commit of 02 makes the storer write, and wait for the connection;
+        # what follows queues up behind it.
+        stream.push_all(txn("02"))
+        await asyncio.sleep(0.1)
+        stream.push_all([begin("03"), *[insert(i) for i in range(50)]])
         await asyncio.sleep(0.3)
         assert s.service.storer.ready_for_more() is not None  # upstream is held back
         stream.fail(ConnectionError("upstream died"))
