@@ -281,6 +281,7 @@ async def run_ws(
             + ("&wsBatched=true" if batched else "")
         )
         final = txs[-1][0]
+        children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         child = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -317,15 +318,12 @@ async def run_ws(
         # CPU per data change: the service process (all threads) from the gate to
         # the final commit stored, and the subscriber process over its whole life.
         "service us/change": _cpu(cpu_start, cpu_end) / changes * 1e6,
-        "subscribers us/change": _cpu(None, child_cpu) / changes * 1e6,
+        "subscribers us/change": _cpu(children_before, child_cpu) / changes * 1e6,
     }
 
 
-def _cpu(start: resource.struct_rusage | None, end: resource.struct_rusage) -> float:
-    used = end.ru_utime + end.ru_stime
-    if start is not None:
-        used -= start.ru_utime + start.ru_stime
-    return used
+def _cpu(start: resource.struct_rusage, end: resource.struct_rusage) -> float:
+    return end.ru_utime + end.ru_stime - start.ru_utime - start.ru_stime
 
 
 async def main() -> None:
