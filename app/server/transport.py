@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from app.protocol.envelope import AckError, batch_tail, msg_tail, parse_ack, quick_ack
+from app.protocol.envelope import AckError, batch_tail, msg_tail, parse_ack
 from app.server.ws_protocol import DIRECT, DirectSocket
 from app.streamer.downstream import Downstream, DownstreamClosed
 
@@ -86,18 +86,12 @@ class Outbound:
         extension = (websocket.scope.get("extensions") or {}).get(DIRECT)
         self._direct: DirectSocket | None = extension.get("socket") if extension else None
         if self._direct is not None:
-            self._direct.on_texts = self._direct_acks
+            self._direct.on_acks = self._direct_acks
 
-    def _direct_acks(self, texts: list[str]) -> int:
-        """Acks straight from the socket: how many of ``texts``, from the first, were
-        valid in-order acks and are now matched. The rest go to the receive loop,
-        which raises the precise error."""
-        acks: list[int] = []
-        for text in texts:
-            ack = quick_ack(text)
-            if ack is None:
-                break
-            acks.append(ack)
+    def _direct_acks(self, acks: list[int]) -> int:
+        """Acks straight from the socket: how many of ``acks``, from the first, were
+        in order and are now matched. The rest go to the receive loop, which raises
+        the precise error."""
         expected = self._acked_id + 1
         last_sent = self._next_id - 1
         n = len(acks)

@@ -32,7 +32,13 @@ from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.http11 import Request
 from websockets.protocol import State
-from websockets.utils import apply_mask
+
+from app.protocol.envelope import ack_frame, quick_ack
+
+try:  # the C implementation, as websockets.frames picks it
+    from websockets.speedups import apply_mask
+except ImportError:  # pragma: no cover - websockets built without its extension
+    from websockets.utils import apply_mask
 
 __all__ = ["DIRECT", "DirectSocket", "LivenessProtocol"]
 
@@ -45,15 +51,16 @@ class DirectSocket:
     """Per-frame shortcuts past ASGI, for the replication streams' hot path.
 
     ``try_send`` writes a text frame now if the connection is plainly open (False:
-    use the ASGI send). ``on_texts``, when set, sees the inbound text frames of each
-    read first and returns how many of them, from the first, it handled (acks);
-    those never reach the ASGI receive queue, the rest are queued as usual — so an
-    invalid frame still reaches the app's receive loop with its error.
+    use the ASGI send). ``on_acks``, when set, gets the ids of the leading
+    ``{"ack":N}`` frames of each read and returns how many of them, from the first,
+    it matched; those never reach the ASGI receive queue, the rest (and any other
+    frame) are queued as usual — so an invalid frame still reaches the app's
+    receive loop with its error.
     """
 
     def __init__(self, protocol: LivenessProtocol) -> None:
         self._protocol = protocol
-        self.on_texts: Callable[[list[str]], int] | None = None
+        self.on_acks: Callable[[list[int]], int] | None = None
 
     def try_send(self, text: str) -> bool:
         return self._protocol.send_now(text)
@@ -71,8 +78,11 @@ _HEADER_64: Final = struct.Struct("!BBQ")
 
 class LivenessProtocol(WebSocketsSansIOProtocol):
     def data_received(self, data: bytes) -> None:
-        texts = _text_frames(data, self._max_message_size()) if self._plainly_open() else None
-        if texts is None:
+        if not self._plainly_open():
+            super().data_received(data)
+        elif (acks := _ack_ids(data) if self._wants_acks() else None) is not None:
+            self._deliver_acks(acks)
+        elif (texts := _text_frames(data, self._max_message_size())) is None:
             super().data_received(data)
         elif texts:
             self._deliver_texts(texts)
@@ -151,18 +161,44 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         size = self.conn.max_message_size
         return size if size is not None else 1 << 62
 
+    def _wants_acks(self) -> bool:
+        """A transport matches acks here, and nothing waits in the receive queue
+        (frames must be seen in arrival order)."""
+        direct = getattr(self, "direct", None)
+        return (
+            direct is not None
+            and direct.on_acks is not None
+            and not self.close_sent
+            and self.queue.empty()
+        )
+
+    def _deliver_acks(self, acks: list[int]) -> None:
+        """Ack ids of a read: the transport matches what it can, the rest is queued."""
+        handled = self.direct.on_acks(acks) if self.direct.on_acks is not None else 0
+        if handled < len(acks):
+            self._queue_texts([ack_frame(ack) for ack in acks[handled:]])
+
     def _deliver_texts(self, texts: list[str]) -> None:
         """What uvicorn does with complete text messages (send_receive_event_to_app)."""
         if self.close_sent:
             return
-        direct = getattr(self, "direct", None)
         handled = 0
-        # Only while nothing waits in the queue: frames are seen in arrival order.
-        if direct is not None and direct.on_texts is not None and self.queue.empty():
-            handled = direct.on_texts(texts)
-        for text in texts[handled:]:
+        if self._wants_acks():
+            acks = []
+            for text in texts:
+                ack = quick_ack(text)
+                if ack is None:
+                    break
+                acks.append(ack)
+            if acks:
+                assert self.direct.on_acks is not None
+                handled = self.direct.on_acks(acks)
+        self._queue_texts(texts[handled:])
+
+    def _queue_texts(self, texts: list[str]) -> None:
+        for text in texts:
             self.queue.put_nowait({"type": "websocket.receive", "text": text})
-        if handled < len(texts) and not self.read_paused:
+        if texts and not self.read_paused:
             self.read_paused = True
             self.transport.pause_reading()
 
@@ -184,6 +220,41 @@ def _text_frames_bytes(texts: list[str]) -> bytes:
         parts.append(_frame_header(len(payload)))
         parts.append(payload)
     return b"".join(parts)
+
+
+# A masked FIN text frame of {"ack":N} is 6 header bytes and 9-24 payload bytes.
+_ACK_PREFIX: Final = b'{"ack":'
+_MIN_ACK, _MAX_ACK = 9, 24
+
+
+def _ack_ids(data: bytes) -> list[int] | None:
+    """The ids if ``data`` is only whole, masked ``{"ack":N}`` frames (N canonical);
+    else None, and the general path takes it.
+
+    Every subscriber answers every message with one of these, so this is the
+    hottest inbound path: no decode, no text, one unmask per frame.
+    """
+    ids: list[int] = []
+    pos = 0
+    end = len(data)
+    while pos < end:
+        if data[pos] != _FIN_TEXT or end - pos < 2:
+            return None
+        length = data[pos + 1] ^ _MASKED  # also rejects an unmasked frame
+        if not _MIN_ACK <= length <= _MAX_ACK:
+            return None
+        start = pos + 6
+        pos = start + length
+        if pos > end:
+            return None
+        payload = apply_mask(data[start:pos], data[start - 4 : start])
+        if payload[:7] != _ACK_PREFIX or payload[-1] != 0x7D:  # "}"
+            return None
+        digits = payload[7:-1]
+        if not digits.isdigit() or (digits[0] == 0x30 and len(digits) > 1):  # no leading 0
+            return None
+        ids.append(int(digits))
+    return ids
 
 
 def _text_frames(data: bytes, max_size: int) -> list[str] | None:

@@ -6,13 +6,15 @@ own codec, so the fast path is checked against an independent implementation.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Generator
 
 import pytest
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 
-from app.server.ws_protocol import _frame_header, _text_frames, _text_frames_bytes
+from app.protocol.envelope import quick_ack
+from app.server.ws_protocol import _ack_ids, _frame_header, _text_frames, _text_frames_bytes
 
 MAX = 1 << 20
 
@@ -99,3 +101,45 @@ def test_anything_but_whole_masked_text_frames_goes_to_the_library(chunk: bytes)
 def test_a_frame_over_the_size_limit_goes_to_the_library() -> None:
     assert _text_frames(client_frame("x" * 100), 99) is None
     assert _text_frames(client_frame("x" * 99), 99) == ["x" * 99]
+
+
+def test_chunks_of_canonical_acks_parse_straight_to_ids() -> None:
+    ids = [0, 1, 9, 10, 12345, 10**16 - 1]
+    chunk = b"".join(client_frame(f'{{"ack":{i}}}') for i in ids)
+    assert _ack_ids(chunk) == ids
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [client_frame('{"ack":01}')],  # leading zero: not the canonical form
+        [client_frame('{"ack": 1}')],
+        [client_frame('{"ack":1,"x":2}')],
+        [client_frame('{"ack":-1}')],
+        [client_frame('{"ack":1.0}')],
+        [client_frame('{"ack":}')],
+        [client_frame('{"ack":1}'), client_frame('{"nack":1}')],
+        [client_frame('{"ack":1}'), client_frame('{"ack":2}')[:-1]],  # partial
+        [client_frame('{"ack":1}', fin=False)],
+        [client_frame(b'{"ack":1}', opcode=Opcode.BINARY)],
+        [Frame(Opcode.TEXT, b'{"ack":1}').serialize(mask=False, extensions=[])],
+        [client_frame('{"ack":' + "1" * 17 + "}")],  # longer than any id we send
+    ],
+)
+def test_anything_but_canonical_acks_is_left_to_the_general_path(frames: list[bytes]) -> None:
+    assert _ack_ids(b"".join(frames)) is None
+
+
+def test_ack_ids_agree_with_the_general_path_on_mixed_chunks() -> None:
+    rng = random.Random(7)
+    texts = ['{"ack":5}', '{"ack":05}', '{"ack": 5}', '{"ack":123}', "hello", '{"ack":0}']
+    for _ in range(300):
+        chunk_texts = [rng.choice(texts) for _ in range(rng.randint(1, 6))]
+        chunk = b"".join(client_frame(t) for t in chunk_texts)
+        expected = [quick_ack(t) for t in chunk_texts]
+        general = _text_frames(chunk, MAX)
+        assert general == chunk_texts
+        if None in expected:
+            assert _ack_ids(chunk) is None
+        else:
+            assert _ack_ids(chunk) == expected
