@@ -207,12 +207,14 @@ async def run(
                 )
             )
         start = time.perf_counter()
+        loop_cpu_start = time.thread_time()  # this thread runs the event loop
         runner = asyncio.create_task(service.run())
         healthy = consumers[stalled:]
         counts = await asyncio.gather(*healthy)
         delivered_s = time.perf_counter() - start
         await service.storer.wait_durable(final)
         stored_s = time.perf_counter() - start
+        loop_cpu = time.thread_time() - loop_cpu_start
         for task in consumers[:stalled]:
             task.cancel()
         await service.stop()
@@ -226,6 +228,7 @@ async def run(
         "p50 ms": statistics.median(latencies) if latencies else float("nan"),
         "p99 ms": latencies[int(len(latencies) * 0.99) - 1] if latencies else float("nan"),
         "healthy changes/s": changes / delivered_s,
+        "loop us/change": loop_cpu / changes * 1e6,
     }
 
 
@@ -341,11 +344,17 @@ async def main() -> None:
     framings = args.frames.split(",")
 
     if "throughput" in scenarios:
-        print(f"{'K':>3} {'changes/s (stored+delivered)':>30} {'messages/s delivered':>22}")
+        print(
+            f"{'K':>3} {'changes/s (stored+delivered)':>30} {'messages/s delivered':>22}"
+            f" {'event loop CPU µs/change':>26}"
+        )
         for k in ks:
             r = await run(txs, k)
             rate, delivered = r["changes/s"], r["messages/s delivered"]
-            print(f"{k:>3} {rate:>30,.0f} {delivered:>22,.0f}", flush=True)
+            print(
+                f"{k:>3} {rate:>30,.0f} {delivered:>22,.0f} {r['loop us/change']:>26.1f}",
+                flush=True,
+            )
     if "ws" in scenarios:
         print(f"{'K':>3} {'frames':>8} {'changes/s (stored+delivered)':>30} {'frames/s':>10}")
         for k in ks:

@@ -112,13 +112,7 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
 
     def send_now(self, text: str) -> bool:
         """Writes one text frame if the connection is plainly open; False otherwise."""
-        # Sending needs less than reading: the parser's state does not matter.
-        if not (
-            self._open_for_frames()
-            and self.writable.is_set()
-            and not self.disconnected
-            and self.initial_response is None
-        ):
+        if not self._can_write_frames():
             return False
         payload = text.encode()
         self.transport.write(_frame_header(len(payload)) + payload)
@@ -131,15 +125,19 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         costs K writes, and the write (a syscall on an idle socket) was the
         largest single cost of a forwarded frame.
         """
-        if not (
+        if not self._can_write_frames():
+            return False
+        self.transport.write(_text_frames_bytes(texts))
+        return True
+
+    def _can_write_frames(self) -> bool:
+        # Sending needs less than reading: the parser's state does not matter.
+        return (
             self._open_for_frames()
             and self.writable.is_set()
             and not self.disconnected
             and self.initial_response is None
-        ):
-            return False
-        self.transport.write(_text_frames_bytes(texts))
-        return True
+        )
 
     def _open_for_frames(self) -> bool:
         """Handshake done, no close begun, no extensions, no outgoing fragment."""

@@ -111,6 +111,22 @@ class Downstream:
             self.close(f"more than {self._max} bytes sent but not acknowledged")
         return future
 
+    def push_many(self, messages: list[str]) -> None:
+        """Queues untracked messages in order: ``push`` for a forwarded batch."""
+        if self._closed or not messages:
+            return
+        self._unsent.extend(messages)
+        ends = self._ends
+        total = self._pushed_bytes
+        for message in messages:
+            total += len(message)
+            ends.append(total)
+        self._pushed_bytes = total
+        self.pushed += len(messages)
+        self._wakeup.set()
+        if total - self._consumed_bytes > self._max:
+            self.close(f"more than {self._max} bytes sent but not acknowledged")
+
     async def get(self) -> str:
         """The next message to send; raises ``DownstreamClosed`` once closed."""
         while not self._unsent:

@@ -97,6 +97,24 @@ class Forwarder:
             sub.send(change)
         self._update_state(change)
 
+    def forward_many(self, changes: list[Change]) -> None:
+        """``forward`` for several changes in stream order, a batch per subscriber."""
+        if self.queued:
+            # Queued subscribers join at the next commit or rollback, which may be
+            # inside this batch: one change at a time.
+            for change in changes:
+                self.forward(change)
+            return
+        for sub in tuple(self.active):
+            sub.send_many(changes)
+        for change in reversed(changes):  # the batch's last transaction boundary
+            if change.tag == "begin":
+                self.in_transaction = True
+                break
+            if change.tag in ("commit", "rollback"):
+                self.in_transaction = False
+                break
+
     async def forward_with_flow_control(self, change: Change) -> ReleaseMode:
         """Sends as a tracked broadcast and waits for its release."""
         broadcast = Broadcast(

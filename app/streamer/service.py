@@ -337,30 +337,42 @@ class ChangeStreamerService:
                     await self._race(readable, ended, storer_task)
                     readable.cancel()
                     continue
-                for message in batch:
-                    if type(message) is Control:
-                        await self._reset_required(message)
-                        continue
-                    dispatched = self._dispatch(message)
-                    if dispatched is None:
-                        continue
-                    size, change = dispatched
-                    unflushed += size
-                    if unflushed < FLUSH_THRESHOLD:
-                        self.forwarder.forward(change)
-                    else:
-                        unflushed = 0
-                        released = asyncio.ensure_future(
-                            self.forwarder.forward_with_flow_control(change)
-                        )
-                        await self._race(released, ended, storer_task)
-                        if not released.done():
-                            self.forwarder.release_current()
-                            released.cancel()
-                            self._raise_if_ended(ended)
-                            return
-                    if change.tag in ("commit", "rollback"):
-                        self._tx = None
+                # Changes are forwarded a batch at a time, but always before any
+                # await: a subscriber that joins at an await must find the
+                # forwarder and the storer at the same stream position.
+                forwarding: list[Change] = []
+                try:
+                    for message in batch:
+                        kind = type(message)
+                        if kind is Control or kind is Status:
+                            self._forward(forwarding)
+                            if kind is Control:
+                                assert isinstance(message, Control)
+                                await self._reset_required(message)
+                                continue
+                        dispatched = self._dispatch(message)
+                        if dispatched is None:
+                            continue
+                        size, change = dispatched
+                        unflushed += size
+                        if unflushed < FLUSH_THRESHOLD:
+                            forwarding.append(change)
+                        else:
+                            unflushed = 0
+                            self._forward(forwarding)
+                            released = asyncio.ensure_future(
+                                self.forwarder.forward_with_flow_control(change)
+                            )
+                            await self._race(released, ended, storer_task)
+                            if not released.done():
+                                self.forwarder.release_current()
+                                released.cancel()
+                                self._raise_if_ended(ended)
+                                return
+                        if change.tag in ("commit", "rollback"):
+                            self._tx = None
+                finally:
+                    self._forward(forwarding)
                 # The byte budget is checked per batch (at most the pump's 256
                 # messages past it), not per message.
                 gate = self.storer.ready_for_more()
@@ -373,6 +385,12 @@ class ChangeStreamerService:
                         return
         finally:
             await pump.close()
+
+    def _forward(self, changes: list[Change]) -> None:
+        """Forwards and empties ``changes``."""
+        if changes:
+            self.forwarder.forward_many(changes)
+            changes.clear()
 
     async def _race(
         self, waited: asyncio.Future[Any], ended: asyncio.Future[None], storer: asyncio.Task[None]

@@ -125,6 +125,27 @@ class Subscriber:
             self._gate = asyncio.get_running_loop().create_future()
         return self._gate
 
+    def send_many(self, changes: list[Change]) -> None:
+        """Live changes, untracked, in order: ``send`` for a forwarded batch."""
+        if self._closed or self._backlog is not None:
+            for change in changes:
+                self.send(change)  # the backlog's gate is its own bound
+            return
+        texts = []
+        commits = self._commits
+        pushed = self.downstream.pushed
+        watermark = self.watermark
+        unsupported = self._unsupported
+        for change in changes:
+            if change.watermark <= watermark or change.tag in unsupported:
+                continue
+            texts.append(change.json)
+            if change.tag == "commit":
+                watermark = change.watermark
+                commits.append((pushed + len(texts), watermark))
+        self.watermark = watermark
+        self.downstream.push_many(texts)
+
     def send_status(self) -> None:
         """Forwards the latest lag report; ignored before the initial status was sent."""
         if self._initialized and not self._closed and self.protocol_version >= 2:
