@@ -376,6 +376,25 @@ async def test_lag_reports_are_forwarded_to_live_subscribers(svc: Service) -> No
     assert msgs[-1] == ["status", {"tag": "status", "lagReport": report}]
 
 
+async def test_a_lag_report_inside_a_batch_keeps_its_place_in_the_stream(svc: Service) -> None:
+    """Changes are forwarded a batch at a time; a status between them is not reordered."""
+    ds = svc.subscribe(REPLICA_VERSION)
+    stream = await svc.stream()
+    report = {
+        "lastTimings": {"sendTimeMs": 1, "commitTimeMs": 2, "receiveTimeMs": 3},
+        "nextSendTimeMs": 4,
+    }
+    first, second = txn("02", insert(1), insert(2)), txn("03")
+    status = ["status", {"ack": False, "lagReport": report}, {"watermark": "02"}]
+    stream.push_all([*first[:2], status, *first[2:], *second])
+    msgs = await collect(ds, 1 + 4 + 1 + 3)
+    assert [m[0] for m in msgs] == [  # type: ignore[index]
+        *["status", "begin", "data", "status", "data", "commit"],
+        *["begin", "data", "commit"],
+    ]
+    assert msgs[3] == ["status", {"tag": "status", "lagReport": report}]
+
+
 # -- purge, reservations, back pressure (core.md §7 items 8, 9, 17, 18, 29) ----
 
 
