@@ -1,11 +1,14 @@
 """The change-streamer service: forward, store, ack (spec/core.md §2).
 
 ``run`` assumes ownership of the change log, then loops over upstream
-connections. For each message of a stream, in one synchronous step, it is
-serialized once, queued for the storer and forwarded to the live subscribers;
-every 64 KiB of forwarded JSON the loop waits for a flow-control broadcast, and
-it waits whenever the storer is over its byte budget. Both waits are raced
-against the end of the upstream stream, so a dead upstream is noticed at once.
+connections. It takes what the pump has read ahead as a batch; each message is
+serialized once and queued for the storer, and the batch's changes are forwarded
+to the live subscribers together — always before the loop awaits anything, so at
+every await the storer and the forwarder stand at the same stream position.
+Every 64 KiB of forwarded JSON the loop waits for a flow-control broadcast, and
+after a batch it waits if the storer is over its byte budget. Both waits are
+raced against the end of the upstream stream, so a dead upstream is noticed at
+once.
 
 When a stream ends or breaks inside a transaction, the partial transaction is
 dropped from the storer and subscribers get a synthetic rollback; the next
