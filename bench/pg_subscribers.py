@@ -79,7 +79,7 @@ def _client_frame(opcode: int, payload: bytes) -> bytes:
     return bytes((0x80 | opcode, 0x80 | len(payload))) + b"\0\0\0\0" + payload
 
 
-def _ack(msg_id: bytes) -> bytes:
+def ack_frame(msg_id: bytes) -> bytes:
     return _client_frame(_OP_TEXT, b'{"ack":' + msg_id + b"}")
 
 
@@ -207,7 +207,7 @@ async def subscribe(
             received = time.time()
             # Ack the whole read first, in one write: the server's flow control
             # waits on acks. The replicator acks each message, in order, as here.
-            ws.send(b"".join(_ack(_split(m)[0]) for m in batch))
+            ws.send(b"".join(ack_frame(_split(m)[0]) for m in batch))
             for message in batch:
                 _, tag = _split(message)
                 if not ready.is_set():

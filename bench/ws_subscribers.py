@@ -22,7 +22,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
-from bench.pg_subscribers import RawSocket, _ack
+from bench.pg_subscribers import RawSocket, ack_frame
 
 
 async def subscriber(url: str, final: str, first_frame: list[float]) -> int:
@@ -36,7 +36,7 @@ async def subscriber(url: str, final: str, first_frame: list[float]) -> int:
             if not first_frame:
                 first_frame.append(time.perf_counter())
             frames += len(batch)
-            ws.send(b"".join(_ack(m[6 : m.index(b",")]) for m in batch))
+            ws.send(b"".join(ack_frame(m[6 : m.index(b",")]) for m in batch))
             if batch[-1].endswith((marker + b"}", marker + b"]}")):
                 await ws.drain()
                 return frames

@@ -77,15 +77,20 @@ _HEADER_64: Final = struct.Struct("!BBQ")
 
 
 class LivenessProtocol(WebSocketsSansIOProtocol):
+    direct: DirectSocket | None = None  # set at the handshake
+
     def data_received(self, data: bytes) -> None:
+        match = self._ack_matcher()
         if not self._plainly_open():
             super().data_received(data)
-        elif (acks := _ack_ids(data) if self._wants_acks() else None) is not None:
-            self._deliver_acks(acks)
+        elif match is not None and (acks := _ack_ids(data)) is not None:
+            # Only acks: the transport matches what it can, the rest is queued.
+            handled = match(acks)
+            self._queue_texts([ack_frame(ack) for ack in acks[handled:]])
         elif (texts := _text_frames(data, self._max_message_size())) is None:
             super().data_received(data)
-        elif texts:
-            self._deliver_texts(texts)
+        else:
+            self._deliver_texts(texts, match)
         if self.pending_ping_payload is not None and self.pong_timer is not None:
             # As good as a pong: the peer is reading and writing.
             self.pending_ping_payload = None
@@ -159,29 +164,21 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         size = self.conn.max_message_size
         return size if size is not None else 1 << 62
 
-    def _wants_acks(self) -> bool:
-        """A transport matches acks here, and nothing waits in the receive queue
-        (frames must be seen in arrival order)."""
-        direct = getattr(self, "direct", None)
-        return (
-            direct is not None
-            and direct.on_acks is not None
-            and not self.close_sent
-            and self.queue.empty()
-        )
+    def _ack_matcher(self) -> Callable[[list[int]], int] | None:
+        """The transport's ack matcher, if acks may go to it now: not closing, and
+        nothing waiting in the receive queue (frames are seen in arrival order)."""
+        direct = self.direct
+        if direct is None or self.close_sent or not self.queue.empty():
+            return None
+        return direct.on_acks
 
-    def _deliver_acks(self, acks: list[int]) -> None:
-        """Ack ids of a read: the transport matches what it can, the rest is queued."""
-        handled = self.direct.on_acks(acks) if self.direct.on_acks is not None else 0
-        if handled < len(acks):
-            self._queue_texts([ack_frame(ack) for ack in acks[handled:]])
-
-    def _deliver_texts(self, texts: list[str]) -> None:
-        """What uvicorn does with complete text messages (send_receive_event_to_app)."""
+    def _deliver_texts(self, texts: list[str], match: Callable[[list[int]], int] | None) -> None:
+        """What uvicorn does with complete text messages (send_receive_event_to_app),
+        after ``match`` took the leading acks."""
         if self.close_sent:
             return
         handled = 0
-        if self._wants_acks():
+        if match is not None:
             acks = []
             for text in texts:
                 ack = quick_ack(text)
@@ -189,8 +186,7 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
                     break
                 acks.append(ack)
             if acks:
-                assert self.direct.on_acks is not None
-                handled = self.direct.on_acks(acks)
+                handled = match(acks)
         self._queue_texts(texts[handled:])
 
     def _queue_texts(self, texts: list[str]) -> None:

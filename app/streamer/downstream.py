@@ -96,23 +96,15 @@ class Downstream:
         future: asyncio.Future[bool] | None = None
         if track:
             future = asyncio.get_running_loop().create_future()
-        if self._closed:
-            if future is not None:
+            if self._closed:
                 future.set_result(False)
-            return future
-        self._unsent.append(message)
-        self._pushed_bytes += len(message)
-        self._ends.append(self._pushed_bytes)
-        self.pushed += 1
-        if future is not None:
-            self._trackers.append((self.pushed, future))
-        self._wakeup.set()
-        if self._pushed_bytes - self._consumed_bytes > self._max:
-            self.close(f"more than {self._max} bytes sent but not acknowledged")
+            else:  # before pushing: an overflow closes the channel and resolves it
+                self._trackers.append((self.pushed + 1, future))
+        self.push_many([message])
         return future
 
     def push_many(self, messages: list[str]) -> None:
-        """Queues untracked messages in order: ``push`` for a forwarded batch."""
+        """Queues untracked messages in order."""
         if self._closed or not messages:
             return
         self._unsent.extend(messages)
