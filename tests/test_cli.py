@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from app.config import SettingsError, load_settings
+from app.runtime.gc_tuning import YOUNG_THRESHOLD
 
 CLI = [sys.executable, "-m", "app.cli"]
 REPO = Path(__file__).resolve().parents[1]
@@ -129,6 +131,12 @@ def test_serve_answers_health_probes(tmp_path: Path) -> None:
                 time.sleep(0.1)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/keepalive", timeout=2) as r:
             assert (r.status, r.read()) == (200, b"OK")
+        # serve tunes the garbage collector once built (open statz: development mode).
+        url = f"http://127.0.0.1:{port}/statz?format=json&group=os"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            os_group = json.loads(r.read())["os"]
+        assert os_group["gcThresholds"][0] == YOUNG_THRESHOLD
+        assert os_group["gcFrozenObjects"] > 10_000  # modules, the app, its config
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -48,6 +48,7 @@ import base64
 import binascii
 import cProfile
 import enum
+import gc
 import hmac
 import json
 import logging
@@ -400,7 +401,7 @@ async def _os_stats_async() -> dict[str, Any]:
 
 
 def os_stats() -> dict[str, Any]:
-    """The process and host: pid, uptime, memory, CPU time, load, Python."""
+    """The process and host: pid, uptime, memory, CPU time, load, Python, its collector."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     # ru_maxrss is in KiB on Linux, bytes on macOS.
     max_rss = usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024
@@ -416,6 +417,11 @@ def os_stats() -> dict[str, Any]:
         "userCpuSeconds": round(usage.ru_utime, 3),
         "systemCpuSeconds": round(usage.ru_stime, 3),
         "threads": threading.active_count(),
+        # The collector's settings (`serve` raises the first, app/runtime/gc_tuning.py),
+        # objects frozen at start-up, and passes run per generation.
+        "gcThresholds": list(gc.get_threshold()),
+        "gcFrozenObjects": gc.get_freeze_count(),
+        "gcCollections": [generation["collections"] for generation in gc.get_stats()],
         "loadAverage": load,
         "cpuCount": os.cpu_count(),
         "pythonVersion": platform.python_version(),
