@@ -19,9 +19,9 @@ write) stays on SQLAlchemy Core; those join the driver's open transaction.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -30,6 +30,7 @@ from app.storage.engine import ChangeDb
 from app.storage.errors import DuplicateChangeError
 
 Row = tuple[str, int, str, str | None]
+_T = TypeVar("_T")
 
 # Rows per SQLite INSERT statement. sqlite3 releases and re-takes the GIL around
 # every statement step; with one row per step, a busy event loop thread makes
@@ -107,21 +108,55 @@ class FastPath:
                     for row in rows:
                         await copy.write_row(row)
             else:
-                n = SQLITE_ROWS_PER_STATEMENT
-                full = len(rows) - len(rows) % n
-                if full:
-                    chunks = [list(chain.from_iterable(rows[i : i + n])) for i in range(0, full, n)]
-                    await driver.executemany(self._insert_full, chunks)
-                if full < len(rows):
-                    rest = rows[full:]
-                    await driver.execute(
-                        self._values_insert(len(rest)), list(chain.from_iterable(rest))
-                    )
+                await _in_driver_thread(driver, self._insert_sqlite, rows)
         except (sqlite3.IntegrityError, psycopg.errors.UniqueViolation) as e:
-            detail = " ".join(str(e).split())
-            raise DuplicateChangeError(
-                f"a change is already stored at the same (watermark, pos): {detail}"
-            ) from e
+            raise _duplicate(e) from e
+
+    async def commit_rows_sqlite(
+        self, conn: AsyncConnection, owner: str, rows: Sequence[Row], last_watermark: str
+    ) -> str | None:
+        """SQLite: a whole write transaction of plain rows in one hop to the driver's
+        thread — begin, ownership check, inserts, ``lastWatermark``, commit — where
+        the general path takes a hop (and GIL hand-overs with the event loop) per
+        statement. Writes nothing unless ``owner`` still owns the log; returns the
+        owner found."""
+        driver = await _driver(conn)
+        try:
+            current: str | None = await _in_driver_thread(
+                driver, self._commit_rows_sqlite, owner, rows, last_watermark
+            )
+        except sqlite3.IntegrityError as e:
+            raise _duplicate(e) from e
+        return current
+
+    def _commit_rows_sqlite(
+        self, sq: sqlite3.Connection, owner: str, rows: Sequence[Row], last_watermark: str
+    ) -> str | None:
+        sq.execute("BEGIN IMMEDIATE")
+        try:
+            row = sq.execute(self._select_owner).fetchone()
+            current: str | None = None if row is None else row[0]
+            if current == owner:
+                self._insert_sqlite(sq, rows)
+                sq.execute(self._set_head, (last_watermark,))
+                sq.commit()
+                return current
+        except BaseException:
+            sq.rollback()
+            raise
+        sq.rollback()
+        return current
+
+    def _insert_sqlite(self, sq: sqlite3.Connection, rows: Sequence[Row]) -> None:
+        """Runs in the driver's thread: full statements, then one for the rest."""
+        n = SQLITE_ROWS_PER_STATEMENT
+        full = len(rows) - len(rows) % n
+        if full:
+            chunks = [list(chain.from_iterable(rows[i : i + n])) for i in range(0, full, n)]
+            sq.executemany(self._insert_full, chunks)
+        if full < len(rows):
+            rest = rows[full:]
+            sq.execute(self._values_insert(len(rest)), list(chain.from_iterable(rest)))
 
     async def read_first(
         self, conn: AsyncConnection, from_watermark: str, up_to: str, limit: int
@@ -145,3 +180,20 @@ class FastPath:
 async def _driver(conn: AsyncConnection) -> Any:
     raw = await conn.get_raw_connection()
     return raw.driver_connection
+
+
+async def _in_driver_thread(driver: Any, fn: Callable[..., _T], *args: Any) -> _T:
+    """Runs ``fn(sqlite3_connection, *args)`` in an aiosqlite connection's own thread.
+
+    aiosqlite's public calls are one statement each; this uses the queue they all
+    go through (``_execute``) and the connection it owns (``_conn``), private names
+    that have been stable since aiosqlite 0.17 (tests/storage exercise every use).
+    """
+    result: _T = await driver._execute(fn, driver._conn, *args)
+    return result
+
+
+def _duplicate(e: Exception) -> DuplicateChangeError:
+    detail = " ".join(str(e).split())
+    message = f"a change is already stored at the same (watermark, pos): {detail}"
+    return DuplicateChangeError(message)

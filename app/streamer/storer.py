@@ -272,8 +272,14 @@ class Storer:
             if not completed:
                 return
             group, completed = completed, []
-            w = await open_db_tx()
             rows = [row for t in group for row in t.rows]
+            if db_tx is None and not any(t.ops for t in group):
+                # The common case (no schema-change bookkeeping, no big transaction
+                # holding a database transaction open): one call.
+                await self._log.commit_rows(self._owner, rows, group[-1].watermark)
+                self._made_durable(group)
+                return
+            w = await open_db_tx()
             for start in range(0, len(rows), self._group_max_rows):
                 await w.append(rows[start : start + self._group_max_rows])
             for t in group:

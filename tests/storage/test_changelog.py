@@ -145,6 +145,42 @@ async def test_a_writer_that_lost_ownership_stores_nothing(log: ChangeLog) -> No
     assert await log.max_watermark() == "01"
 
 
+async def test_commit_rows_stores_rows_and_moves_the_head_in_one_call(log: ChangeLog) -> None:
+    # 2,000 rows fill one multi-row statement on SQLite; the rest take another.
+    rows = [row for n in range(2, 702) for row in tx(f"02{n:04d}", insert(n))]
+    assert len(rows) == 2100
+    await log.commit_rows(OWNER, rows, "020701")
+    assert await read_all(log, "02") == [tuple(r) for r in rows]
+    state = await Replication(log.db).state()
+    assert state is not None
+    assert state.last_watermark == "020701"
+
+
+async def test_commit_rows_of_a_former_owner_stores_nothing(log: ChangeLog) -> None:
+    await Replication(log.db).assume_ownership("task-b", "10.0.0.2:4849")
+    with pytest.raises(OwnershipLostError, match="assumed by task-b"):
+        await log.commit_rows(OWNER, tx("02", insert(1)), "02")
+    assert await log.max_watermark() == "01"
+    state = await Replication(log.db).state()
+    assert state is not None
+    assert state.last_watermark == "01"
+
+
+async def test_commit_rows_with_a_duplicate_stores_nothing(log: ChangeLog) -> None:
+    await log.commit_rows(OWNER, tx("02", insert(1)), "02")
+    with pytest.raises(
+        DuplicateChangeError, match=r"already stored at the same \(watermark, pos\)"
+    ):
+        await log.commit_rows(OWNER, tx("03", insert(2)) + tx("02", insert(1)), "03")
+    assert await log.max_watermark() == "02"
+    state = await Replication(log.db).state()
+    assert state is not None
+    assert state.last_watermark == "02"
+    # The connection is usable again: the failed transaction was rolled back.
+    await log.commit_rows(OWNER, tx("03", insert(2)), "03")
+    assert await log.count() == 2 + 3 + 3  # the initial transaction at 01, then 02 and 03
+
+
 async def test_takeover_waits_for_the_open_write_and_is_seen_by_the_next(log: ChangeLog) -> None:
     replication = Replication(log.db)
     async with log.write(OWNER) as w:
