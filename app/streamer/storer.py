@@ -1,8 +1,11 @@
 """The storer: writes the change stream to the change log with group commit,
 and catches subscribers up from it.
 
-The main loop hands every begin/data/commit/rollback to ``store`` (a synchronous
-enqueue) right before forwarding it. A single consumer task writes them:
+The main loop hands every begin/data/commit/rollback to ``store`` (synchronous)
+right before forwarding it. ``store`` builds each upstream transaction's rows as
+they arrive and queues the transaction whole at its commit, so the consumer
+works a transaction at a time, not a message at a time (on the main loop both
+are per-change costs). A single consumer task writes them:
 
 * **Group commit.** Whatever is queued when the consumer looks is written in one
   database transaction, as many upstream transactions as are complete, together
@@ -62,24 +65,32 @@ class StorerStopped(Exception):
     """The storer stopped before a subscriber's catch-up bound became durable."""
 
 
-# A queued message: (watermark, tag, the change object's text as stored, body).
-# The body is kept for begin (skipAck) and schema changes only. A plain tuple:
-# one is built per change on the main loop.
-_Entry = tuple[str, str, str, dict[str, Any] | None]
-
-_ABORT = object()
-_STOP = object()
-
-
 @dataclass(slots=True)
 class _OpenTx:
+    """An upstream transaction: built by ``store``, queued whole at its commit."""
+
     watermark: str
     skip_ack: bool
     rows: list[StoredRow] = field(default_factory=list)
     ops: list[BookkeepingOp] = field(default_factory=list)
     pos: int = 0
-    bytes: int = 0
-    flushed: bool = False  # some rows already sit in the open database transaction
+    bytes: int = 0  # JSON of ``rows``: counted against the byte budget until written
+    chunked: bool = False  # earlier rows were queued ahead as _Chunks
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """Rows of a big transaction queued ahead of its commit (past
+    ``open_tx_flush_bytes``); they go into a database transaction of its own."""
+
+    rows: list[StoredRow]
+    bytes: int
+
+
+_ROLLBACK = object()  # the chunked transaction ended by rollback
+_ABORT = object()  # the stream broke: a chunked transaction is dropped
+_STOP = object()
+_Item = _OpenTx | _Chunk | object
 
 
 @dataclass(slots=True)
@@ -123,9 +134,10 @@ class Storer:
         # Enqueue side (the main loop, synchronous).
         # A deque and an event instead of asyncio.Queue: this is on the per-change
         # hot path, and the queue's bound is the byte budget (ready_for_more).
-        self._queue: deque[_Entry | object] = deque()
+        self._queue: deque[_Item] = deque()
         self._queue_ready = asyncio.Event()
         self._queued_bytes = 0
+        self._building: _OpenTx | None = None
         self._enqueued_in_tx = False
         self._last_enqueued_commit = durable_watermark
         self._parked: list[_Catchup] = []
@@ -146,22 +158,60 @@ class Storer:
     def store(
         self, watermark: str, tag: str, message_json: str, body: dict[str, Any] | None
     ) -> None:
-        """Queues one begin/data/commit/rollback message of the stream."""
-        self._queued_bytes += len(message_json)
-        self._queue.append((watermark, tag, message_json, body))
-        self._queue_ready.set()
+        """Takes one begin/data/commit/rollback message of the stream."""
+        tx = self._building
         if tag == "begin":
+            if tx is not None:
+                raise AssertionError(f"begin {watermark} while transaction {tx.watermark} is open")
+            self._building = _OpenTx(
+                watermark,
+                bool(body and body.get("skipAck") is True),
+                [(watermark, 0, message_json, None)],
+                bytes=len(message_json),
+            )
+            self._queued_bytes += len(message_json)
             self._enqueued_in_tx = True
-        elif tag == "commit":
+            return
+        if tx is None:
+            raise AssertionError(f"{tag} {watermark} outside a transaction")
+        if tag == "rollback":
+            self._drop_building(_ROLLBACK)
+            return
+        size = len(message_json)
+        self._queued_bytes += size
+        tx.bytes += size
+        tx.pos += 1
+        if tag == "commit":
+            tx.rows.append((tx.watermark, tx.pos, message_json, tx.watermark))
+            self._building = None
+            self._enqueue(tx)
             self._last_enqueued_commit = watermark
             self._end_enqueued_tx()
-        elif tag == "rollback":
-            self._end_enqueued_tx()
+            return
+        tx.rows.append((tx.watermark, tx.pos, message_json, None))
+        if body is not None:
+            tx.ops.extend(bookkeeping_for(body))
+        if tx.bytes >= self._open_tx_flush_bytes:
+            self._enqueue(_Chunk(tx.rows, tx.bytes))
+            tx.rows, tx.bytes, tx.chunked = [], 0, True
 
     def abort(self) -> None:
         """The stream broke: drop the open transaction (nothing of it is stored)."""
-        self._queue.append(_ABORT)
+        if self._building is not None:
+            log.info("dropping transaction %s: the stream was aborted", self._building.watermark)
+        self._drop_building(_ABORT)
+
+    def _enqueue(self, item: _Item) -> None:
+        self._queue.append(item)
         self._queue_ready.set()
+
+    def _drop_building(self, marker: object) -> None:
+        """Ends the transaction being built without storing it."""
+        tx, self._building = self._building, None
+        if tx is not None:
+            self._processed(tx.bytes)  # never queued: its bytes are free again
+            if tx.chunked:  # the consumer rolls back the rows already written
+                self._enqueue(marker)
         self._end_enqueued_tx()
 
     def catchup(self, sub: Subscriber, mode: Mode) -> None:
@@ -242,7 +292,6 @@ class Storer:
         """Writes queued changes until ``stop``; raises what made it fail."""
         self._running = True
         self._stopped.clear()
-        tx: _OpenTx | None = None
         completed: list[_OpenTx] = []
         writer: contextlib.AbstractAsyncContextManager[WriteTransaction] | None = None
         db_tx: WriteTransaction | None = None
@@ -289,75 +338,41 @@ class Storer:
             await close_db_tx(commit=True)
             self._made_durable(group)
 
-        async def flush_open(t: _OpenTx) -> None:
-            # A big transaction: commit what is complete, then give it a database
-            # transaction of its own that stays open until its commit.
-            await flush_completed()
-            w = await open_db_tx()
-            await w.append(t.rows)
-            t.rows = []
-            t.bytes = 0
-            t.flushed = True
-
         try:
+            # Rows of a big transaction are in the open database transaction.
+            chunked_open = False
             stopping = False
             while not stopping:
                 while not self._queue:
                     self._queue_ready.clear()
                     await self._queue_ready.wait()
-                queue = self._queue
-                items = [queue.popleft() for _ in range(min(len(queue), self._group_max_rows))]
-                self._processed(sum(len(i[2]) for i in items if type(i) is tuple))
+                items, size = self._take_group()
+                self._processed(size)
                 for item in items:
-                    if type(item) is not tuple:
-                        if item is _STOP:
-                            stopping = True
-                            break
-                        # _ABORT
-                        if tx is not None:
-                            log.info(
-                                "dropping transaction %s: the stream was aborted", tx.watermark
-                            )
-                            if tx.flushed:
-                                await close_db_tx(commit=False)
-                            tx = None
-                        continue
-                    watermark, tag, text, body = item
-                    if tag == "begin":
-                        if tx is not None:
-                            raise AssertionError(
-                                f"begin {watermark} while transaction {tx.watermark} is open"
-                            )
-                        tx = _OpenTx(watermark, bool(body and body.get("skipAck") is True))
-                        tx.rows.append((watermark, 0, text, None))
-                        tx.bytes = len(text)
-                        continue
-                    if tx is None:
-                        raise AssertionError(f"{tag} {watermark} outside a transaction")
-                    if tag == "rollback":
-                        if tx.flushed:
+                    if type(item) is _OpenTx:
+                        completed.append(item)
+                        if chunked_open:
+                            # The big transaction's commit: its last rows, its
+                            # bookkeeping and lastWatermark go in with its chunks.
+                            await flush_completed()
+                            chunked_open = False
+                    elif type(item) is _Chunk:
+                        if not chunked_open:
+                            # Commit what is complete: the big one gets a database
+                            # transaction of its own, dropped whole on rollback.
+                            await flush_completed()
+                            chunked_open = True
+                        w = await open_db_tx()
+                        await w.append(item.rows)
+                    elif item is _ROLLBACK or item is _ABORT:
+                        if chunked_open:
                             await close_db_tx(commit=False)
-                        tx = None
-                        continue
-                    tx.pos += 1
-                    if tag == "commit":
-                        tx.rows.append((tx.watermark, tx.pos, text, tx.watermark))
-                        completed.append(tx)
-                        tx = None
-                        continue
-                    tx.rows.append((tx.watermark, tx.pos, text, None))
-                    tx.bytes += len(text)
-                    if body is not None:
-                        tx.ops.extend(bookkeeping_for(body))
-                    if tx.bytes >= self._open_tx_flush_bytes:
-                        await flush_open(tx)
-                if tx is not None and tx.flushed and tx.rows:
-                    # Keep appending a big transaction as it arrives.
-                    await flush_open(tx)
-                elif tx is None or not tx.flushed:
+                            chunked_open = False
+                    else:  # _STOP
+                        stopping = True
+                        break
+                if not chunked_open:
                     await flush_completed()
-                # else: completed transactions wait for the big open one to commit,
-                # since they share its database transaction (whole transactions only).
         finally:
             self._running = False
             with contextlib.suppress(BaseException):
@@ -372,6 +387,20 @@ class Storer:
             )
             self._stopped.set()
 
+    def _take_group(self) -> tuple[list[_Item], int]:
+        """Queued items for one group commit (about ``group_max_rows`` rows, at
+        least one item), and the JSON bytes they hold."""
+        queue = self._queue
+        items: list[_Item] = []
+        rows = size = 0
+        while queue and rows < self._group_max_rows:
+            item = queue.popleft()
+            items.append(item)
+            if isinstance(item, (_OpenTx, _Chunk)):
+                rows += len(item.rows)
+                size += item.bytes
+        return items, size
+
     def _made_durable(self, group: list[_OpenTx]) -> None:
         self.durable = group[-1].watermark
         self._wake_durable_waiters()
@@ -382,8 +411,8 @@ class Storer:
     def _drain_queue(self) -> None:
         while self._queue:
             item = self._queue.popleft()
-            if type(item) is tuple:
-                self._queued_bytes -= len(item[2])
+            if isinstance(item, (_OpenTx, _Chunk)):
+                self._queued_bytes -= item.bytes
         # Subscribers parked mid-transaction can no longer be served: they reconnect.
         parked, self._parked = self._parked, []
         for request in parked:
@@ -401,9 +430,8 @@ class Storer:
         """
         if not self._running:
             return
-        self._queue.append(_ABORT)
-        self._queue.append(_STOP)
-        self._queue_ready.set()
+        self.abort()
+        self._enqueue(_STOP)
         try:
             await asyncio.wait_for(self._stopped.wait(), drain_timeout_s)
         except TimeoutError:
@@ -416,6 +444,9 @@ class Storer:
         self._last_enqueued_commit = durable_watermark
         self.durable = durable_watermark
         self._wake_durable_waiters()
+        if self._building is not None:  # the last stream ended without abort()
+            self._queued_bytes -= self._building.bytes
+            self._building = None
         self._enqueued_in_tx = False
 
     # ------------------------------------------------------------------

@@ -163,6 +163,43 @@ async def test_a_big_transaction_is_written_in_pieces_and_dropped_whole_on_rollb
         await h.close()
 
 
+async def test_a_big_transaction_cut_off_by_the_stream_is_dropped_whole(
+    change_db: ChangeDb,
+) -> None:
+    h = Harness(change_db, open_tx_flush_bytes=2000)
+    h.start()
+    try:
+        h.feed([begin("02"), *[insert("02", i) for i in range(200)]])
+        await settle()
+        await asyncio.sleep(0.2)  # its first pieces are written
+        h.storer.abort()
+        h.feed(txn("03"))
+        await h.until_durable("03")
+        assert {w for w, _, _ in await h.rows()} == {"01", "03"}
+        assert h.durable == ["03"]
+    finally:
+        await h.close()
+
+
+async def test_queued_bytes_count_what_waits_and_fall_to_zero(change_db: ChangeDb) -> None:
+    h = Harness(change_db, open_tx_flush_bytes=2000)
+    h.start()
+    try:
+        open_tx = [begin("02"), *[insert("02", i) for i in range(5)]]
+        h.feed(open_tx)
+        assert h.storer.queued_bytes == sum(len(text) for _, _, text, _ in open_tx)
+        h.feed([rollback("02")])  # never queued: its bytes are free at once
+        assert h.storer.queued_bytes == 0
+        h.feed([begin("03"), *[insert("03", i) for i in range(200)]])  # in pieces
+        await asyncio.sleep(0.2)
+        h.feed([rollback("03"), *txn("04")])
+        await h.until_durable("04")
+        assert h.storer.queued_bytes == 0
+        assert {w for w, _, _ in await h.rows()} == {"01", "04"}
+    finally:
+        await h.close()
+
+
 async def test_ownership_taken_over_stops_the_storer_and_stores_nothing(
     change_db: ChangeDb,
 ) -> None:
