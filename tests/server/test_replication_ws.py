@@ -156,6 +156,38 @@ async def test_a_burst_goes_out_as_one_frame_per_message_with_consecutive_ids(
         assert server.service.forwarder.acks() == ["03"]
 
 
+async def test_a_batched_burst_goes_out_in_frames_of_at_most_64_with_consecutive_ids(
+    server: Server,
+) -> None:
+    """v7 batch frames: queued messages are written together, split at 64 a frame."""
+    url = f"{server.url}/replication/v7/changes?{QUERY}&wsBatched=true"
+    async with connect(url) as ws:
+        first = await recv(ws)
+        assert first["id"] == 1
+        await ws.send('{"ack":1}')
+        stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+        stream.push_all(txn("02", 600) + txn("03", 1))
+        frames: list[dict[str, Any]] = []
+        messages: list[Any] = []
+        while len(messages) < 605:
+            frames.append(await recv(ws))
+            frame = frames[-1]
+            messages += frame["batch"] if "batch" in frame else [frame["msg"]]
+            await ws.send(f'{{"ack":{frame["id"]}}}')
+        assert len(messages) == 605
+        assert [f["id"] for f in frames] == list(range(2, 2 + len(frames)))
+        sizes = [len(f["batch"]) if "batch" in f else 1 for f in frames]
+        assert max(sizes) == 64  # more was queued than fits one frame
+        tags = [m[0] for m in messages]
+        assert tags == ["begin", *["data"] * 600, "commit", "begin", "data", "commit"]
+        assert [m[1]["new"]["id"] for m in messages[1:601]] == list(range(600))
+        for _ in range(100):
+            if server.service.forwarder.acks() == ["03"]:
+                break
+            await asyncio.sleep(0.02)
+        assert server.service.forwarder.acks() == ["03"]
+
+
 async def test_wrong_replica_version_is_message_1_then_the_socket_closes(server: Server) -> None:
     url = f"{server.url}/replication/v6/changes?id=x&replicaVersion=0z&watermark=0z"
     async with connect(url) as ws:
