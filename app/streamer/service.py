@@ -411,17 +411,21 @@ class ChangeStreamerService:
 
     def _dispatch(self, message: ChangeSourceMessage) -> tuple[int, Change] | None:
         """Handles one message (not a control); returns the change to forward, if any."""
-        kind = type(message)
-        if kind is Data:  # the common case first
-            assert isinstance(message, Data)
-            if self._tx is None:
+        if isinstance(message, Data):  # every row: kept lean
+            tx = self._tx
+            if tx is None:
                 raise UnrecoverableError(
                     f"'data' change ({message.tag}) received before 'begin' message"
                 )
-            watermark, tag = self._tx, message.tag
-            body = message.body if tag in _SCHEMA_TAGS else None
+            tag = message.tag
+            change_json = dumps(message.body)
+            # No await between storing and forwarding (see below).
+            self.storer.store(tx, tag, change_json, message.body if tag in _SCHEMA_TAGS else None)
             self.changes += 1
-        elif kind is Status:
+            text = '["data",' + change_json + "]"  # reconstruct(tx, tag, change_json)
+            return len(text), Change(tx, tag, text)
+        kind = type(message)
+        if kind is Status:
             assert isinstance(message, Status)
             self.acker.on_upstream(message)
             if message.lag_report is not None:
@@ -464,8 +468,7 @@ class ChangeStreamerService:
         # No await between storing and forwarding: the storer's queue and the
         # forwarder's transaction state must describe the same stream position.
         self.storer.store(watermark, tag, change_json, body)
-        if kind is not Data:
-            self.acker.on_upstream(message)
+        self.acker.on_upstream(message)
         return len(text), Change(watermark, tag, text)
 
     async def _reset_required(self, control: Control) -> None:

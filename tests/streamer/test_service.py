@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from app.protocol.canonical_json import loads
+from app.protocol.canonical_json import dumps, loads
 from app.protocol.errors import ErrorType
 from app.sources.memory import MemoryChangeSource, MemoryChangeStream
 from app.storage import (
@@ -28,6 +28,7 @@ from app.storage import (
 )
 from app.streamer.downstream import Downstream
 from app.streamer.service import (
+    FLUSH_THRESHOLD,
     ChangeStreamerService,
     StreamerOptions,
     SubscriberContext,
@@ -269,6 +270,36 @@ async def test_a_broken_stream_mid_transaction_sends_one_rollback_and_resends_th
     assert ds.get_nowait() is None  # exactly one synthetic rollback
     await svc.durable("02")
     assert {w for w, _ in await svc.stored()} == {"01", "02"}
+
+
+async def test_an_upstream_ending_at_a_commit_checkpoint_sends_no_rollback(svc: Service) -> None:
+    """The upstream breaks while the loop waits on flow control for a commit (the
+    change that crossed 64 KiB): the transaction is complete, so no synthetic
+    rollback may follow its commit."""
+    begin_len, commit_len = len(dumps(begin("02"))), len(dumps(commit("02")))
+    base = len(dumps(insert(1, pad="")))
+    pad = FLUSH_THRESHOLD - begin_len - base - commit_len // 2
+    big = insert(1, pad="x" * pad)
+    assert (
+        begin_len + len(dumps(big)) < FLUSH_THRESHOLD <= (begin_len + len(dumps(big)) + commit_len)
+    )
+    ds = svc.subscribe(REPLICA_VERSION)  # it reads but never acks: the wait holds
+    stream = await svc.stream()
+    stream.push_all(txn("02", big))
+    received = []
+    while len(received) < 4:
+        text = await asyncio.wait_for(ds.get(), 10)
+        received.append(loads(text)[0])
+    assert received == ["status", "begin", "data", "commit"]
+    await svc.durable("02")
+    stream.fail(ConnectionError("upstream went away"))
+    second = await svc.stream(2)
+    assert second.after_watermark == "02"
+    second.push_all(txn("03"))
+    while len(received) < 7:
+        text = await asyncio.wait_for(ds.get(), 10)
+        received.append(loads(text)[0])
+    assert received == ["status", "begin", "data", "commit", "begin", "data", "commit"]
 
 
 async def test_an_explicit_rollback_then_end_sends_no_second_rollback(svc: Service) -> None:
