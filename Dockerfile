@@ -12,7 +12,14 @@ WORKDIR /srv/changestreamer
 COPY pyproject.toml README.md alembic.ini ./
 COPY app ./app
 COPY migrations ./migrations
-RUN pip install --no-cache-dir .
+COPY scripts/build-speedups ./scripts/
+# The C helper for canonical JSON (app/protocol/_jsscan.c): compiled with a
+# compiler that is removed again; the wheel takes the .so as an artifact.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && scripts/build-speedups python \
+    && pip install --no-cache-dir . \
+    && apt-get purge -y gcc libc6-dev && apt-get autoremove -y \
+    && rm -rf /var/lib/apt/lists/*
 
 VOLUME /data
 EXPOSE 4849

@@ -53,6 +53,7 @@ import json
 import marshal
 import math
 import re
+from collections.abc import Callable
 from json.encoder import encode_basestring  # the C implementation when available
 from typing import Any, Final
 
@@ -74,6 +75,33 @@ _ORJSON_OPTIONS: Final = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUG
 # A string that does contain e.g. "v1.0," merely takes the slow path.
 _ORJSON_INTEGRAL_FLOAT: Final = re.compile(rb"\.0[,\]}]")
 _ORJSON_EXPONENT_FLOAT: Final = re.compile(rb"e[+-]\d+[,\]}]")
+
+# What scanning orjson's output tells (flags or-ed): a float it writes
+# differently from JS, or a null (which may be a NaN or an Infinity).
+_SCAN_INTEGRAL_FLOAT: Final = 1
+_SCAN_EXPONENT_FLOAT: Final = 2
+_SCAN_FLOATS: Final = _SCAN_INTEGRAL_FLOAT | _SCAN_EXPONENT_FLOAT
+_SCAN_NULL: Final = 4
+
+
+def scan_py(out: bytes) -> int:
+    """The scan in Python: three passes (~1.2 us on a ~220-byte change)."""
+    flags = 0
+    if _ORJSON_INTEGRAL_FLOAT.search(out):
+        flags |= _SCAN_INTEGRAL_FLOAT
+    if _ORJSON_EXPONENT_FLOAT.search(out):
+        flags |= _SCAN_EXPONENT_FLOAT
+    if b"null" in out:
+        flags |= _SCAN_NULL
+    return flags
+
+
+# The same scan in C, one pass (app/protocol/_jsscan.c, built by scripts/bootstrap).
+_scan: Callable[[bytes], int]
+try:
+    from app.protocol._jsscan import scan as _scan
+except ImportError:  # not built here (no C compiler): same answers, slower
+    _scan = scan_py
 
 _PLAIN_LEAVES: Final = frozenset({str, int, bool, type(None)})
 # Tuples, not X | Y unions: isinstance is several times faster with a tuple.
@@ -99,10 +127,11 @@ def dumps(value: Any) -> str:
             # Big ints, lone surrogates, nesting deeper than orjson's limit, or a
             # type that is not JSON: the slow path handles or reports each.
             return _dumps_slow(value)
-        if _ORJSON_INTEGRAL_FLOAT.search(out) or _ORJSON_EXPONENT_FLOAT.search(out):
+        flags = _scan(out)
+        if flags & _SCAN_FLOATS:
             # Let orjson write everything but the floats, which we format as JS does.
             return orjson.dumps(_with_js_floats(value)).decode()
-        if b"null" in out and _may_hold_non_finite(value):
+        if flags & _SCAN_NULL and _may_hold_non_finite(value):
             _reject_non_finite(value)
         return out.decode()
     return _dumps_slow(value)
