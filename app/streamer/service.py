@@ -372,8 +372,6 @@ class ChangeStreamerService:
                                 released.cancel()
                                 self._raise_if_ended(ended)
                                 return
-                        if change.tag in ("commit", "rollback"):
-                            self._tx = None
                 finally:
                     self._forward(forwarding)
                 # The byte budget is checked per batch (at most the pump's 256
@@ -451,6 +449,7 @@ class ChangeStreamerService:
                     f"watermark {self._tx}"
                 )
             watermark, tag, body = self._tx, "commit", None
+            self._tx = None  # complete once stored: an upstream end from here on rolls nothing back
             self.transactions += 1
         elif kind is Rollback:
             if self._tx is None:
@@ -458,6 +457,7 @@ class ChangeStreamerService:
                     "'rollback' change (rollback) received before 'begin' message"
                 )
             watermark, tag, body = self._tx, "rollback", None
+            self._tx = None
         else:  # pragma: no cover - the union is exhaustive
             raise UnrecoverableError(f"unexpected message {message!r}")
         # Serialize the change object once; the message around it is a fixed
