@@ -7,14 +7,17 @@ own codec, so the fast path is checked against an independent implementation.
 from __future__ import annotations
 
 import random
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 
 from app.protocol.envelope import quick_ack
-from app.server.ws_protocol import _ack_ids, _frame_header, _text_frames, _text_frames_bytes
+from app.server import _acks, ws_protocol
+from app.server.ws_protocol import _ack_ids_py, _frame_header, _text_frames, _text_frames_bytes
 
 MAX = 1 << 20
 
@@ -103,10 +106,20 @@ def test_a_frame_over_the_size_limit_goes_to_the_library() -> None:
     assert _text_frames(client_frame("x" * 99), 99) == ["x" * 99]
 
 
-def test_chunks_of_canonical_acks_parse_straight_to_ids() -> None:
+AckParser = Callable[[bytes], "list[int] | None"]
+# The C parser (app/server/_acks.c) runs; the Python one is its fallback and reference.
+PARSERS = pytest.mark.parametrize("parse_acks", [_acks.ack_ids, _ack_ids_py], ids=["c", "py"])
+
+
+def test_the_c_ack_parser_is_built_and_used() -> None:
+    assert ws_protocol._ack_ids is _acks.ack_ids
+
+
+@PARSERS
+def test_chunks_of_canonical_acks_parse_straight_to_ids(parse_acks: AckParser) -> None:
     ids = [0, 1, 9, 10, 12345, 10**16 - 1]
     chunk = b"".join(client_frame(f'{{"ack":{i}}}') for i in ids)
-    assert _ack_ids(chunk) == ids
+    assert parse_acks(chunk) == ids
 
 
 @pytest.mark.parametrize(
@@ -126,11 +139,15 @@ def test_chunks_of_canonical_acks_parse_straight_to_ids() -> None:
         [client_frame('{"ack":' + "1" * 17 + "}")],  # longer than any id we send
     ],
 )
-def test_anything_but_canonical_acks_is_left_to_the_general_path(frames: list[bytes]) -> None:
-    assert _ack_ids(b"".join(frames)) is None
+@PARSERS
+def test_anything_but_canonical_acks_is_left_to_the_general_path(
+    frames: list[bytes], parse_acks: AckParser
+) -> None:
+    assert parse_acks(b"".join(frames)) is None
 
 
-def test_ack_ids_agree_with_the_general_path_on_mixed_chunks() -> None:
+@PARSERS
+def test_ack_ids_agree_with_the_general_path_on_mixed_chunks(parse_acks: AckParser) -> None:
     rng = random.Random(7)
     texts = ['{"ack":5}', '{"ack":05}', '{"ack": 5}', '{"ack":123}', "hello", '{"ack":0}']
     for _ in range(300):
@@ -140,6 +157,38 @@ def test_ack_ids_agree_with_the_general_path_on_mixed_chunks() -> None:
         general = _text_frames(chunk, MAX)
         assert general == chunk_texts
         if None in expected:
-            assert _ack_ids(chunk) is None
+            assert parse_acks(chunk) is None
         else:
-            assert _ack_ids(chunk) == expected
+            assert parse_acks(chunk) == expected
+
+
+@settings(max_examples=2000, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(min_value=0, max_value=10**17).map(lambda i: f'{{"ack":{i}}}'),
+            st.text(alphabet='{}"ack:0123456789 -.', max_size=26),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    st.integers(min_value=0, max_value=3),
+    st.data(),
+)
+def test_the_c_and_python_ack_parsers_agree(
+    texts: list[str], cut: int, data: st.DataObject
+) -> None:
+    chunk = b"".join(client_frame(t) for t in texts)
+    if cut:  # sometimes a partial frame at the end, sometimes a corrupted byte
+        where = data.draw(st.integers(min_value=0, max_value=len(chunk) - 1))
+        chunk = (
+            chunk[:where]
+            if cut == 1
+            else chunk[:where] + bytes([chunk[where] ^ 0x40]) + chunk[where + 1 :]
+        )
+    assert _acks.ack_ids(chunk) == _ack_ids_py(chunk)
+
+
+def test_the_c_ack_parser_takes_only_bytes() -> None:
+    with pytest.raises(TypeError):
+        _acks.ack_ids('{"ack":1}')  # type: ignore[arg-type]
