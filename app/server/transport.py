@@ -124,14 +124,11 @@ class Outbound:
     async def send_each(self, messages: list[str], downstream: Downstream) -> None:
         """One frame per message (v6), written together when the socket allows."""
         async with self._lock:
-            frame_id = self._frame(downstream, 1, len(messages))
-            texts = []
-            for message in messages:
-                texts.append('{"id":' + str(frame_id) + ',"msg":' + message + "}")
-                frame_id += 1
-            if self._direct is None or not self._direct.try_send_many(texts):
-                for text in texts:
-                    await self._websocket.send_text(text)
+            first = self._frame(downstream, 1, len(messages))
+            if self._direct is not None and self._direct.try_send_msgs(first, messages):
+                return
+            for frame_id, message in enumerate(messages, start=first):
+                await self._websocket.send_text('{"id":' + str(frame_id) + msg_tail(message))
 
     async def send_batches(self, messages: list[str], downstream: Downstream) -> None:
         """Batch frames of at most ``MAX_BATCH`` messages (v7), written together

@@ -16,8 +16,14 @@ from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 
 from app.protocol.envelope import quick_ack
-from app.server import _acks, ws_protocol
-from app.server.ws_protocol import _ack_ids_py, _frame_header, _text_frames, _text_frames_bytes
+from app.server import _wsfast, ws_protocol
+from app.server.ws_protocol import (
+    _ack_ids_py,
+    _frame_header,
+    _msg_frames_py,
+    _text_frames,
+    _text_frames_bytes,
+)
 
 MAX = 1 << 20
 
@@ -67,6 +73,49 @@ def test_several_server_frames_written_together_parse_back_in_order() -> None:
     assert all(f.opcode is Opcode.TEXT and f.fin for f in frames)
 
 
+MSG_FRAMES = pytest.mark.parametrize(
+    "msg_frames", [_wsfast.msg_frames, _msg_frames_py], ids=["c", "py"]
+)
+
+
+def test_the_c_frame_builder_is_built_and_used() -> None:
+    assert ws_protocol._msg_frames is _wsfast.msg_frames
+
+
+@MSG_FRAMES
+def test_v6_frames_built_together_parse_back_with_their_ids(
+    msg_frames: Callable[[int, list[str]], bytes],
+) -> None:
+    # Payload sizes around both header-size boundaries (125/126, 65535/65536 bytes
+    # with the 16-byte {"id":9,"msg":…} envelope), non-ASCII text, ids gaining digits.
+    messages = ['["begin"]', "", "é" * 200, "x" * 109, "x" * 110, "y" * 65_519, "y" * 65_520]
+    frames = read_server_frames(msg_frames(9, messages))
+    assert [f.data.decode() for f in frames] == [
+        f'{{"id":{9 + i},"msg":{m}}}' for i, m in enumerate(messages)
+    ]
+    assert all(f.opcode is Opcode.TEXT and f.fin for f in frames)
+    assert msg_frames(1, []) == b""
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.integers(min_value=1, max_value=2**62),
+    st.lists(
+        st.text(max_size=300).filter(lambda t: not any("\ud800" <= c <= "\udfff" for c in t)),
+        max_size=8,
+    ),
+)
+def test_the_c_and_python_frame_builders_agree(first_id: int, messages: list[str]) -> None:
+    assert _wsfast.msg_frames(first_id, messages) == _msg_frames_py(first_id, messages)
+
+
+def test_the_c_frame_builder_takes_only_strings() -> None:
+    with pytest.raises(TypeError, match="messages must be str, not bytes"):
+        _wsfast.msg_frames(1, ["ok", b"no"])  # type: ignore[list-item]
+    with pytest.raises(UnicodeEncodeError):
+        _wsfast.msg_frames(1, ["\ud800"])  # as str.encode() would
+
+
 @pytest.mark.parametrize("size", [0, 1, 125, 126, 65535, 65536 - 1])
 def test_masked_client_text_frames_are_unmasked(size: int) -> None:
     text = ("a" * size)[:size]
@@ -108,11 +157,11 @@ def test_a_frame_over_the_size_limit_goes_to_the_library() -> None:
 
 AckParser = Callable[[bytes], "list[int] | None"]
 # The C parser (app/server/_acks.c) runs; the Python one is its fallback and reference.
-PARSERS = pytest.mark.parametrize("parse_acks", [_acks.ack_ids, _ack_ids_py], ids=["c", "py"])
+PARSERS = pytest.mark.parametrize("parse_acks", [_wsfast.ack_ids, _ack_ids_py], ids=["c", "py"])
 
 
 def test_the_c_ack_parser_is_built_and_used() -> None:
-    assert ws_protocol._ack_ids is _acks.ack_ids
+    assert ws_protocol._ack_ids is _wsfast.ack_ids
 
 
 @PARSERS
@@ -186,9 +235,9 @@ def test_the_c_and_python_ack_parsers_agree(
             if cut == 1
             else chunk[:where] + bytes([chunk[where] ^ 0x40]) + chunk[where + 1 :]
         )
-    assert _acks.ack_ids(chunk) == _ack_ids_py(chunk)
+    assert _wsfast.ack_ids(chunk) == _ack_ids_py(chunk)
 
 
 def test_the_c_ack_parser_takes_only_bytes() -> None:
     with pytest.raises(TypeError):
-        _acks.ack_ids('{"ack":1}')  # type: ignore[arg-type]
+        _wsfast.ack_ids('{"ack":1}')  # type: ignore[arg-type]
