@@ -18,7 +18,7 @@ from app.client import add_status_arguments, add_tail_arguments, run_status, run
 from app.config import Settings, SettingsError, load_settings
 from app.replica.command import add_replicate_arguments, run_replicate
 from app.replica.errors import ReplicaError
-from app.runtime.gc_tuning import tune_for_streaming
+from app.runtime.gc_tuning import before_exit, tune_for_streaming
 from app.runtime.options import streamer_options, task_id
 from app.runtime.postgres import (
     PreparedUpstream,
@@ -192,7 +192,10 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     )
     server = uvicorn.Server(config)
     tune_for_streaming()
-    server.run()
+    try:
+        server.run()
+    finally:
+        before_exit()
     failure = built[0].failure if built else None
     if failure is None:
         return 0

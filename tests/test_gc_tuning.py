@@ -65,3 +65,23 @@ def test_garbage_present_at_tuning_is_collected_not_frozen() -> None:
 def test_a_young_threshold_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="young_threshold must be at least 1, got 0"):
         tune_for_streaming(0)
+
+
+def test_a_connection_dropped_in_a_cycle_does_not_keep_the_process_alive() -> None:
+    # aiosqlite's connection thread is not a daemon and stops only when the
+    # connection is closed or collected; with the raised threshold nothing
+    # collects it unless before_exit() does, and the interpreter waits for it.
+    code = (
+        "import asyncio, aiosqlite\n"
+        "from app.runtime.gc_tuning import before_exit, tune_for_streaming\n"
+        "tune_for_streaming()\n"
+        "async def leak():\n"
+        "    holder = {'conn': await aiosqlite.connect(':memory:')}\n"
+        "    holder['self'] = holder\n"
+        "asyncio.run(leak())\n"
+        "before_exit()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], cwd=REPO, capture_output=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
