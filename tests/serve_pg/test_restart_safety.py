@@ -47,6 +47,11 @@ async def slot_pending_xids(upstream: str, slot: str) -> set[int]:
     return {xid for (xid,) in rows}
 
 
+async def _flush_moved_past(upstream: str, previous: int) -> bool:
+    [(_, flush, _)] = await app_slots(upstream)
+    return flush is not None and flush > previous
+
+
 async def idle_slot(upstream: str) -> tuple[str, int]:
     """Once the killed service's walsender is gone: (slot, confirmed_flush_lsn)."""
 
@@ -93,6 +98,12 @@ async def test_sigkill_twice_during_writes_loses_and_repeats_nothing(
                 # Right after the big transaction commits: likely while it is decoded,
                 # stored or applied to the replica.
                 await eventually(lambda: BIG_AT in writer.committed, "the big transaction")
+            # Acks follow storage asynchronously: a burst stored in one group commit
+            # can be on disk a moment before its ack reaches Postgres.
+            await eventually(
+                lambda previous=flush: _flush_moved_past(upstream, previous),
+                "an ack to move confirmed_flush_lsn",
+            )
             serve.kill()
             flush = await check_after_kill(upstream, serve, writer, flush)
             serve.start()
