@@ -143,40 +143,40 @@ async def test_an_aborted_transaction_stores_nothing_and_the_next_one_is_stored(
     assert {w for w, _, _ in await harness.rows()} == {"01", "03"}
 
 
-async def test_a_big_transaction_is_written_in_pieces_and_dropped_whole_on_rollback(
-    change_db: ChangeDb,
+@pytest.mark.parametrize("end", ["rollback", "abort"])
+async def test_a_big_transaction_written_in_pieces_is_dropped_whole(
+    change_db: ChangeDb, end: str
 ) -> None:
-    h = Harness(change_db, open_tx_flush_bytes=2000)
-    h.start()
-    try:
-        h.feed([begin("02"), *[insert("02", i) for i in range(200)]])
-        await settle()
-        await asyncio.sleep(0.2)
-        h.feed([rollback("02"), *txn("03")])
-        await h.until_durable("03")
-        assert {w for w, _, _ in await h.rows()} == {"01", "03"}
-        h.feed([begin("04"), *[insert("04", i) for i in range(200)], commit("04"), *txn("05")])
-        await h.until_durable("05")
-        rows = [(w, p) for w, p, _ in await h.rows() if w == "04"]
-        assert rows == [("04", p) for p in range(202)]
-    finally:
-        await h.close()
-
-
-async def test_a_big_transaction_cut_off_by_the_stream_is_dropped_whole(
-    change_db: ChangeDb,
-) -> None:
+    """Ended by the upstream's rollback or cut off by the stream (abort)."""
     h = Harness(change_db, open_tx_flush_bytes=2000)
     h.start()
     try:
         h.feed([begin("02"), *[insert("02", i) for i in range(200)]])
         await settle()
         await asyncio.sleep(0.2)  # its first pieces are written
-        h.storer.abort()
+        if end == "rollback":
+            h.feed([rollback("02")])
+        else:
+            h.storer.abort()
         h.feed(txn("03"))
         await h.until_durable("03")
         assert {w for w, _, _ in await h.rows()} == {"01", "03"}
         assert h.durable == ["03"]
+    finally:
+        await h.close()
+
+
+async def test_a_big_transaction_written_in_pieces_keeps_every_position(
+    change_db: ChangeDb,
+) -> None:
+    h = Harness(change_db, open_tx_flush_bytes=2000)
+    h.start()
+    try:
+        h.feed([begin("04"), *[insert("04", i) for i in range(200)], commit("04"), *txn("05")])
+        await h.until_durable("05")
+        rows = [(w, p) for w, p, _ in await h.rows() if w == "04"]
+        assert rows == [("04", p) for p in range(202)]
+        assert h.durable == ["04", "05"]
     finally:
         await h.close()
 
