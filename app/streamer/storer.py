@@ -87,8 +87,7 @@ class _Chunk:
     bytes: int
 
 
-_ROLLBACK = object()  # the chunked transaction ended by rollback
-_ABORT = object()  # the stream broke: a chunked transaction is dropped
+_DROP = object()  # a chunked transaction ended without commit: roll its rows back
 _STOP = object()
 _Item = _OpenTx | _Chunk | object
 
@@ -175,7 +174,7 @@ class Storer:
         if tx is None:
             raise AssertionError(f"{tag} {watermark} outside a transaction")
         if tag == "rollback":
-            self._drop_building(_ROLLBACK)
+            self._drop_building()
             return
         size = len(message_json)
         self._queued_bytes += size
@@ -199,19 +198,19 @@ class Storer:
         """The stream broke: drop the open transaction (nothing of it is stored)."""
         if self._building is not None:
             log.info("dropping transaction %s: the stream was aborted", self._building.watermark)
-        self._drop_building(_ABORT)
+        self._drop_building()
 
     def _enqueue(self, item: _Item) -> None:
         self._queue.append(item)
         self._queue_ready.set()
 
-    def _drop_building(self, marker: object) -> None:
+    def _drop_building(self) -> None:
         """Ends the transaction being built without storing it."""
         tx, self._building = self._building, None
         if tx is not None:
             self._processed(tx.bytes)  # never queued: its bytes are free again
             if tx.chunked:  # the consumer rolls back the rows already written
-                self._enqueue(marker)
+                self._enqueue(_DROP)
         self._end_enqueued_tx()
 
     def catchup(self, sub: Subscriber, mode: Mode) -> None:
@@ -364,7 +363,7 @@ class Storer:
                             chunked_open = True
                         w = await open_db_tx()
                         await w.append(item.rows)
-                    elif item is _ROLLBACK or item is _ABORT:
+                    elif item is _DROP:
                         if chunked_open:
                             await close_db_tx(commit=False)
                             chunked_open = False
@@ -444,10 +443,7 @@ class Storer:
         self._last_enqueued_commit = durable_watermark
         self.durable = durable_watermark
         self._wake_durable_waiters()
-        if self._building is not None:  # the last stream ended without abort()
-            self._queued_bytes -= self._building.bytes
-            self._building = None
-        self._enqueued_in_tx = False
+        self._drop_building()  # if the last stream ended without abort()
 
     # ------------------------------------------------------------------
     # Catch-up.

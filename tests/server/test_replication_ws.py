@@ -36,6 +36,15 @@ def txn(w: str, n: int = 1) -> list[list[Any]]:
     ]
 
 
+async def until_acked(server: Server, watermark: str) -> None:
+    """Until the service's only subscriber has acked ``watermark`` (fails after 2 s)."""
+    for _ in range(100):
+        if server.service.forwarder.acks() == [watermark]:
+            break
+        await asyncio.sleep(0.02)
+    assert server.service.forwarder.acks() == [watermark]
+
+
 async def closed_with(url: str) -> tuple[int | None, str]:
     async with connect(url) as ws:
         with pytest.raises(ConnectionClosed) as e:
@@ -124,68 +133,41 @@ async def test_a_fresh_replica_gets_status_then_transactions_with_ids_in_order(
         for f in frames:
             await ws.send(f'{{"ack":{f["id"]}}}')
         await asyncio.wait_for(server.service.storer.wait_durable("02"), 10)
-        for _ in range(100):
-            if server.service.forwarder.acks() == ["02"]:
-                break
-            await asyncio.sleep(0.02)
-        assert server.service.forwarder.acks() == ["02"]
+        await until_acked(server, "02")
 
 
-async def test_a_burst_goes_out_as_one_frame_per_message_with_consecutive_ids(
-    server: Server,
+@pytest.mark.parametrize("batched", [False, True], ids=["v6", "v7-batched"])
+async def test_a_burst_is_written_together_in_frames_with_consecutive_ids(
+    server: Server, batched: bool
 ) -> None:
-    """Queued v6 messages are written together, but each stays its own frame."""
-    async with connect(f"{server.url}/replication/v6/changes?{QUERY}") as ws:
+    """Queued messages go out together: v6 as a frame each, v7 split at 64 a frame."""
+    url = f"{server.url}/replication/v6/changes?{QUERY}"
+    if batched:
+        url = f"{server.url}/replication/v7/changes?{QUERY}&wsBatched=true"
+    async with connect(url) as ws:
         assert (await recv(ws))["id"] == 1
         await ws.send('{"ack":1}')
         stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
         stream.push_all(txn("02", 600) + txn("03", 1))  # more than one write's worth
-        frames = []
-        for _ in range(605):  # acked as they come: flow control waits every 64 KiB
-            frames.append(await recv(ws))
-            await ws.send(f'{{"ack":{frames[-1]["id"]}}}')
-        assert [f["id"] for f in frames] == list(range(2, 607))
-        assert all(set(f) == {"id", "msg"} for f in frames)
-        tags = [f["msg"][0] for f in frames]
-        assert tags == ["begin", *["data"] * 600, "commit", "begin", "data", "commit"]
-        assert [f["msg"][1]["new"]["id"] for f in frames[1:601]] == list(range(600))
-        for _ in range(100):
-            if server.service.forwarder.acks() == ["03"]:
-                break
-            await asyncio.sleep(0.02)
-        assert server.service.forwarder.acks() == ["03"]
-
-
-async def test_a_batched_burst_goes_out_in_frames_of_at_most_64_with_consecutive_ids(
-    server: Server,
-) -> None:
-    """v7 batch frames: queued messages are written together, split at 64 a frame."""
-    url = f"{server.url}/replication/v7/changes?{QUERY}&wsBatched=true"
-    async with connect(url) as ws:
-        first = await recv(ws)
-        assert first["id"] == 1
-        await ws.send('{"ack":1}')
-        stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
-        stream.push_all(txn("02", 600) + txn("03", 1))
         frames: list[dict[str, Any]] = []
         messages: list[Any] = []
-        while len(messages) < 605:
+        while len(messages) < 605:  # acked as they come: flow control waits every 64 KiB
             frames.append(await recv(ws))
             frame = frames[-1]
             messages += frame["batch"] if "batch" in frame else [frame["msg"]]
             await ws.send(f'{{"ack":{frame["id"]}}}')
         assert len(messages) == 605
         assert [f["id"] for f in frames] == list(range(2, 2 + len(frames)))
-        sizes = [len(f["batch"]) if "batch" in f else 1 for f in frames]
-        assert max(sizes) == 64  # more was queued than fits one frame
+        if batched:
+            sizes = [len(f["batch"]) if "batch" in f else 1 for f in frames]
+            assert max(sizes) == 64  # more was queued than fits one frame
+        else:
+            assert len(frames) == 605
+            assert all(set(f) == {"id", "msg"} for f in frames)
         tags = [m[0] for m in messages]
         assert tags == ["begin", *["data"] * 600, "commit", "begin", "data", "commit"]
         assert [m[1]["new"]["id"] for m in messages[1:601]] == list(range(600))
-        for _ in range(100):
-            if server.service.forwarder.acks() == ["03"]:
-                break
-            await asyncio.sleep(0.02)
-        assert server.service.forwarder.acks() == ["03"]
+        await until_acked(server, "03")
 
 
 async def test_wrong_replica_version_is_message_1_then_the_socket_closes(server: Server) -> None:
