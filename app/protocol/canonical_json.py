@@ -61,7 +61,7 @@ import orjson
 
 from app.protocol.js_number import format_js_number
 
-__all__ = ["dumps", "loads"]
+__all__ = ["dumps", "encode_fast", "loads"]
 
 # datetime and dataclass values are not JSON; without these flags orjson would
 # quietly serialize them on the fast path while the slow path rejects them.
@@ -96,12 +96,38 @@ def scan_py(out: bytes) -> int:
     return flags
 
 
-# The same scan in C, one pass (app/protocol/_jsscan.c, built by scripts/bootstrap).
+def _encode_fast_py(value: Any) -> str | None:
+    """orjson's text of ``value`` when it is already canonical, else None.
+
+    None sends ``dumps`` down its full path: orjson failed, wrote a float JS writes
+    differently, or wrote a null that may be a NaN or an Infinity.
+    """
+    if type(value) not in _FAST_TYPES:
+        return None
+    try:
+        out = orjson.dumps(value, option=_ORJSON_OPTIONS)
+    except orjson.JSONEncodeError:
+        return None
+    flags = _scan(out)
+    if flags & _SCAN_FLOATS or (flags & _SCAN_NULL and _may_hold_non_finite(value)):
+        return None
+    return out.decode()
+
+
+_FAST_TYPES: Final = frozenset({dict, list, tuple})
+
+# The same scan, and the whole fast path, in C (app/protocol/_jsscan.c, built by
+# scripts/bootstrap): one pass, and no Python frame between orjson and the str.
 _scan: Callable[[bytes], int]
+encode_fast: Callable[[Any], str | None]
 try:
-    from app.protocol._jsscan import scan as _scan
+    from app.protocol import _jsscan
 except ImportError:  # not built here (no C compiler): same answers, slower
     _scan = scan_py
+    encode_fast = _encode_fast_py
+else:
+    _scan = _jsscan.scan
+    encode_fast = _jsscan.encode
 
 _PLAIN_LEAVES: Final = frozenset({str, int, bool, type(None)})
 # Tuples, not X | Y unions: isinstance is several times faster with a tuple.
@@ -119,6 +145,9 @@ _LONG_DIGIT_RUN: Final = b"0" * 19
 
 def dumps(value: Any) -> str:
     """Serialize ``value`` to its canonical JSON text (see module docstring)."""
+    text = encode_fast(value)
+    if text is not None:
+        return text
     t = type(value)
     if t is list or t is dict or t is tuple:
         try:
@@ -325,3 +354,8 @@ def _parse_float(lexeme: str) -> float:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+if encode_fast is not _encode_fast_py:
+    # The C fast path calls these; they are defined above.
+    _jsscan.setup(orjson.dumps, _ORJSON_OPTIONS, _may_hold_non_finite)

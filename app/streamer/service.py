@@ -62,6 +62,7 @@ from app.streamer.forwarder import Forwarder
 from app.streamer.pump import Pump
 from app.streamer.purge import Purger
 from app.streamer.reservations import Reservation, SnapshotReservations
+from app.streamer.rowrun import encode_rows
 from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, Storer
 from app.streamer.subscriber import Change, Mode, Subscriber
 from app.streamer.timers import LoopTimers, Timers
@@ -344,9 +345,32 @@ class ChangeStreamerService:
                 # await: a subscriber that joins at an await must find the
                 # forwarder and the storer at the same stream position.
                 forwarding: list[Change] = []
+                jsons: list[str] = []
                 try:
-                    for message in batch:
+                    i, end = 0, len(batch)
+                    while i < end:
+                        message = batch[i]
                         kind = type(message)
+                        if kind is Data and self._tx is not None:
+                            # The common case, a run of row changes, in one call.
+                            after, used = encode_rows(
+                                batch, i, self._tx, forwarding, jsons, FLUSH_THRESHOLD - unflushed
+                            )
+                            if after > i:
+                                self.storer.store_rows(jsons)
+                                self.changes += len(jsons)
+                                jsons.clear()
+                                i = after
+                                unflushed += used
+                                if unflushed >= FLUSH_THRESHOLD:
+                                    unflushed = 0
+                                    checkpoint = forwarding.pop()
+                                    if not await self._checkpoint(
+                                        checkpoint, forwarding, ended, storer_task
+                                    ):
+                                        return
+                                continue
+                        i += 1
                         if kind is Control or kind is Status:
                             self._forward(forwarding)
                             if kind is Control:
@@ -362,15 +386,7 @@ class ChangeStreamerService:
                             forwarding.append(change)
                         else:
                             unflushed = 0
-                            self._forward(forwarding)
-                            released = asyncio.ensure_future(
-                                self.forwarder.forward_with_flow_control(change)
-                            )
-                            await self._race(released, ended, storer_task)
-                            if not released.done():
-                                self.forwarder.release_current()
-                                released.cancel()
-                                self._raise_if_ended(ended)
+                            if not await self._checkpoint(change, forwarding, ended, storer_task):
                                 return
                 finally:
                     self._forward(forwarding)
@@ -386,6 +402,25 @@ class ChangeStreamerService:
                         return
         finally:
             await pump.close()
+
+    async def _checkpoint(
+        self,
+        change: Change,
+        forwarding: list[Change],
+        ended: asyncio.Future[None],
+        storer: asyncio.Task[None],
+    ) -> bool:
+        """Forwards ``forwarding``, then ``change`` as a flow-control checkpoint,
+        and waits for its release; False if the upstream ended first."""
+        self._forward(forwarding)
+        released = asyncio.ensure_future(self.forwarder.forward_with_flow_control(change))
+        await self._race(released, ended, storer)
+        if not released.done():
+            self.forwarder.release_current()
+            released.cancel()
+            self._raise_if_ended(ended)
+            return False
+        return True
 
     def _forward(self, changes: list[Change]) -> None:
         """Forwards and empties ``changes``."""

@@ -194,6 +194,27 @@ class Storer:
             self._enqueue(_Chunk(tx.rows, tx.bytes))
             tx.rows, tx.bytes, tx.chunked = [], 0, True
 
+    def store_rows(self, jsons: list[str]) -> None:
+        """``store`` for consecutive row changes (no schema changes) of the open
+        transaction, given their change objects' JSON: one call per run of rows."""
+        tx = self._building
+        if tx is None:
+            raise AssertionError("row changes outside a transaction")
+        watermark = tx.watermark
+        pos = tx.pos
+        rows = tx.rows
+        size = 0
+        for change_json in jsons:
+            pos += 1
+            rows.append((watermark, pos, change_json, None))
+            size += len(change_json)
+        tx.pos = pos
+        tx.bytes += size
+        self._queued_bytes += size
+        if tx.bytes >= self._open_tx_flush_bytes:
+            self._enqueue(_Chunk(tx.rows, tx.bytes))
+            tx.rows, tx.bytes, tx.chunked = [], 0, True
+
     def abort(self) -> None:
         """The stream broke: drop the open transaction (nothing of it is stored)."""
         if self._building is not None:

@@ -1,4 +1,4 @@
-"""The C scan of orjson's output (app/protocol/_jsscan.c) against the Python one."""
+"""The C fast path of dumps (app/protocol/_jsscan.c) against its Python twins."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.protocol import _jsscan, canonical_json
-from app.protocol.canonical_json import scan_py
+from app.protocol.canonical_json import _encode_fast_py, scan_py
 
 INTEGRAL, EXPONENT, NULL = 1, 2, 4
 
@@ -18,6 +18,7 @@ INTEGRAL, EXPONENT, NULL = 1, 2, 4
 def test_the_c_scan_is_built_and_used() -> None:
     # scripts/bootstrap compiles it; without it every dumps pays ~1.2 us more.
     assert canonical_json._scan is _jsscan.scan
+    assert canonical_json.encode_fast is _jsscan.encode
 
 
 @pytest.mark.parametrize(
@@ -82,3 +83,48 @@ def test_non_finite_floats_still_raise() -> None:
     for bad in (math.nan, math.inf, -math.inf):
         with pytest.raises(ValueError, match="NaN and Infinity are rejected"):
             canonical_json.dumps({"a": [1, bad]})
+
+
+@settings(max_examples=1000, deadline=None)
+@given(json_values)
+def test_encode_agrees_with_python(value: object) -> None:
+    text = _jsscan.encode(value)
+    assert text == _encode_fast_py(value)
+    if text is not None:  # whatever the fast path answers is the canonical text
+        assert text == canonical_json.dumps(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"a": 1.0},  # integral float: JS writes 1
+        [1e16],  # exponent float: JS writes 1e+16
+        {"a": [math.nan]},  # orjson writes null
+        [2**64],  # beyond orjson
+        {"a": "\ud800"},  # lone surrogate: orjson refuses it
+        {1: "x"},  # a key that is not a string
+        "top-level str",  # only containers take the fast path
+        7,
+    ],
+)
+def test_encode_leaves_what_it_cannot_vouch_for_to_python(value: object) -> None:
+    assert _jsscan.encode(value) is None
+    assert _encode_fast_py(value) is None
+
+
+def test_encode_passes_nulls_that_hide_nothing() -> None:
+    assert _jsscan.encode({"a": None, "b": [None, 1]}) == '{"a":null,"b":[null,1]}'
+
+
+def test_encode_reports_a_failing_pre_check() -> None:
+    def broken(_value: object) -> bool:
+        raise RuntimeError("pre-check failed")
+
+    _jsscan.setup(orjson.dumps, canonical_json._ORJSON_OPTIONS, broken)
+    try:
+        with pytest.raises(RuntimeError, match="pre-check failed"):
+            _jsscan.encode({"a": None})
+    finally:
+        _jsscan.setup(
+            orjson.dumps, canonical_json._ORJSON_OPTIONS, canonical_json._may_hold_non_finite
+        )

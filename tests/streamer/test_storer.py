@@ -166,19 +166,33 @@ async def test_a_big_transaction_written_in_pieces_is_dropped_whole(
         await h.close()
 
 
+@pytest.mark.parametrize("rows_in", ["one at a time", "in runs"])
 async def test_a_big_transaction_written_in_pieces_keeps_every_position(
-    change_db: ChangeDb,
+    change_db: ChangeDb, rows_in: str
 ) -> None:
     h = Harness(change_db, open_tx_flush_bytes=2000)
     h.start()
     try:
-        h.feed([begin("04"), *[insert("04", i) for i in range(200)], commit("04"), *txn("05")])
+        inserts = [insert("04", i) for i in range(200)]
+        h.feed([begin("04")])
+        if rows_in == "in runs":  # store_rows: the main loop's call for a run of rows
+            for k in range(0, len(inserts), 30):
+                h.storer.store_rows([text for _, _, text, _ in inserts[k : k + 30]])
+        else:
+            h.feed(inserts)
+        h.feed([commit("04"), *txn("05")])
         await h.until_durable("05")
         rows = [(w, p) for w, p, _ in await h.rows() if w == "04"]
         assert rows == [("04", p) for p in range(202)]
         assert h.durable == ["04", "05"]
     finally:
         await h.close()
+
+
+async def test_row_changes_outside_a_transaction_are_refused(change_db: ChangeDb) -> None:
+    h = Harness(change_db)
+    with pytest.raises(AssertionError, match="outside a transaction"):
+        h.storer.store_rows([insert("02", 0)[2]])
 
 
 async def test_queued_bytes_count_what_waits_and_fall_to_zero(change_db: ChangeDb) -> None:

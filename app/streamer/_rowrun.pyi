@@ -1,0 +1,19 @@
+from collections.abc import Callable
+from typing import Any
+
+def setup(
+    data: type,
+    change: type,
+    schema_tags: frozenset[str],
+    encode_fast: Callable[[Any], str | None],
+    /,
+) -> None: ...
+def encode_rows(
+    messages: list[Any],
+    start: int,
+    watermark: str,
+    changes: list[Any],
+    jsons: list[str],
+    budget: int,
+    /,
+) -> tuple[int, int]: ...

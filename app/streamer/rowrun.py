@@ -1,0 +1,82 @@
+"""Encoding a run of row changes in one call: the main loop's per-row hot path.
+
+Most of an upstream stream is row changes (insert, update, delete, truncate,
+backfill) inside a transaction: each one is serialized once, and its text goes
+both to the storer (the change object) and to the subscribers (the message
+``["data",<change>]``). ``encode_rows`` does that for consecutive row changes of
+a batch, so the main loop pays one call per run instead of a dispatch, a store
+and a forward per row (see docs/architecture.md, decision 32).
+
+It stops *before* any message it does not handle the common way — not a data
+message, a schema change (the storer keeps bookkeeping for those), a change
+whose canonical JSON is not orjson's text as-is — and the caller dispatches that
+one the general way. It stops *after* the change that fills the flow-control
+``budget`` of forwarded bytes, so the caller can make that change the
+checkpoint.
+
+``app/streamer/_rowrun.c`` is the same function in C; this one is the fallback
+and the reference the tests compare it against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from app.protocol.canonical_json import encode_fast
+from app.protocol.changes import SCHEMA_CHANGE_TAGS
+from app.protocol.messages import Data
+from app.streamer.subscriber import Change
+
+__all__ = ["encode_rows"]
+
+_SCHEMA_TAGS = frozenset(SCHEMA_CHANGE_TAGS)
+
+EncodeRows = Callable[[list[Any], int, str, list[Change], list[str], int], tuple[int, int]]
+
+
+def encode_rows_py(
+    messages: list[Any],
+    start: int,
+    watermark: str,
+    changes: list[Change],
+    jsons: list[str],
+    budget: int,
+) -> tuple[int, int]:
+    """Encodes the row changes of transaction ``watermark`` at ``messages[start:]``.
+
+    Appends each change object's JSON to ``jsons`` and its message to ``changes``.
+    Returns the index after the last change encoded (``start`` if none) and the
+    bytes of message text appended.
+    """
+    i = start
+    end = len(messages)
+    used = 0
+    while i < end:
+        message = messages[i]
+        if type(message) is not Data:
+            break
+        tag = message.tag
+        if tag in _SCHEMA_TAGS:
+            break
+        change_json = encode_fast(message.body)
+        if change_json is None:
+            break
+        text = '["data",' + change_json + "]"
+        jsons.append(change_json)
+        changes.append(Change(watermark, tag, text))
+        used += len(text)
+        i += 1
+        if used >= budget:
+            break
+    return i, used
+
+
+encode_rows: EncodeRows
+try:
+    from app.streamer import _rowrun
+except ImportError:  # not built here (no C compiler): same results, slower
+    encode_rows = encode_rows_py
+else:
+    _rowrun.setup(Data, Change, _SCHEMA_TAGS, encode_fast)
+    encode_rows = _rowrun.encode_rows
