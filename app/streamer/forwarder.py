@@ -66,7 +66,8 @@ class Forwarder:
         self.active: set[Subscriber] = set()
         self.queued: set[Subscriber] = set()
         self.in_transaction = False
-        self.current: Broadcast | None = None
+        self.current: Broadcast | None = None  # the checkpoint being waited on
+        self._in_flight: Broadcast | None = None  # the newest checkpoint
         self.stats = FlowControlStats()
         self._rates: dict[Subscriber, _Rate] = {}
         self._tick: TimerHandle | None = None
@@ -116,11 +117,22 @@ class Forwarder:
                 break
 
     async def forward_with_flow_control(self, change: Change) -> ReleaseMode:
-        """Sends as a tracked broadcast and waits for its release."""
-        broadcast = Broadcast(
+        """Sends ``change`` as a checkpoint (a tracked broadcast) and waits for the
+        release of the checkpoint before it.
+
+        Pipelined, one checkpoint deep: waiting on the newest checkpoint would drain
+        the subscribers' pipelines at every 64 KiB, and the main loop would sit idle
+        for a round trip each time (decision 33 in docs/architecture.md). A
+        subscriber that does not ack still stops the main loop within two
+        checkpoints' worth of changes.
+        """
+        newest = Broadcast(
             list(self.active), change, timers=self._timers, timeout_proportion=self._proportion
         )
         self._update_state(change)
+        broadcast, self._in_flight = self._in_flight, newest
+        if broadcast is None:
+            return "all-subscribers"
         self.current = broadcast
         start = self._timers.monotonic()
         try:
@@ -133,9 +145,12 @@ class Forwarder:
         return mode
 
     def release_current(self) -> None:
-        """Lets a waiting broadcast go (the upstream stream ended)."""
-        if self.current is not None:
-            self.current.cancel()
+        """Lets the waiting and the in-flight checkpoint go (the upstream stream
+        ended): the next stream starts with no checkpoint to wait on."""
+        for broadcast in (self.current, self._in_flight):
+            if broadcast is not None:
+                broadcast.cancel()
+        self._in_flight = None
 
     def send_status(self) -> None:
         # A snapshot: a send can close a subscriber (its channel overflowed), which

@@ -251,3 +251,30 @@ async def test_a_subscriber_dropped_while_forwarding_does_not_break_the_fan_out(
         fwd.forward(change)  # must not raise "set changed size during iteration"
     assert fwd.active == set()
     assert all(s.closed for s in subs)
+
+
+async def test_checkpoints_are_pipelined_one_deep() -> None:
+    """The main loop waits for the checkpoint before the newest, never the newest
+    itself, and an ended stream leaves nothing for the next one to wait on."""
+    fwd = Forwarder(timers=ManualTimers(), timeout_proportion=None)
+    [(sub, ds)] = await live_subs(1)
+    fwd.add(sub)
+    first = asyncio.ensure_future(fwd.forward_with_flow_control(CHANGE))
+    await settle()
+    assert first.result() == "all-subscribers"  # nothing before it to wait on
+    second = asyncio.ensure_future(fwd.forward_with_flow_control(CHANGE))
+    await settle()
+    assert not second.done()  # waits until the first checkpoint is consumed...
+    assert ds.get_nowait() is not None  # type: ignore[attr-defined]
+    ds.ack_next()  # type: ignore[attr-defined]
+    await settle()
+    assert second.result() == "all-subscribers"  # ...not the second one
+    third = asyncio.ensure_future(fwd.forward_with_flow_control(CHANGE))
+    await settle()
+    assert not third.done()
+    fwd.release_current()  # the upstream ended
+    await settle()
+    assert third.done()
+    fourth = asyncio.ensure_future(fwd.forward_with_flow_control(CHANGE))
+    await settle()
+    assert fourth.done()

@@ -273,33 +273,67 @@ async def test_a_broken_stream_mid_transaction_sends_one_rollback_and_resends_th
 
 
 async def test_an_upstream_ending_at_a_commit_checkpoint_sends_no_rollback(svc: Service) -> None:
-    """The upstream breaks while the loop waits on flow control for a commit (the
-    change that crossed 64 KiB): the transaction is complete, so no synthetic
-    rollback may follow its commit."""
-    begin_len, commit_len = len(dumps(begin("02"))), len(dumps(commit("02")))
+    """The upstream breaks while the loop waits on flow control, the newest
+    checkpoint being a commit (the change that crossed 64 KiB): the transaction is
+    complete, so no synthetic rollback may follow its commit."""
+    # Transaction 02's row is the first checkpoint (the loop does not wait on it);
+    # 03's commit is the second, and the loop waits for the first, never acked.
+    first = insert(1, pad="x" * FLUSH_THRESHOLD)
+    begin_len, commit_len = len(dumps(begin("03"))), len(dumps(commit("03")))
     base = len(dumps(insert(1, pad="")))
-    pad = FLUSH_THRESHOLD - begin_len - base - commit_len // 2
+    pad = FLUSH_THRESHOLD - commit_len - begin_len - base - commit_len // 2
     big = insert(1, pad="x" * pad)
-    assert (
-        begin_len + len(dumps(big)) < FLUSH_THRESHOLD <= (begin_len + len(dumps(big)) + commit_len)
-    )
+    carried = commit_len + begin_len + len(dumps(big))  # after the first checkpoint
+    assert carried < FLUSH_THRESHOLD <= carried + commit_len
     ds = svc.subscribe(REPLICA_VERSION)  # it reads but never acks: the wait holds
     stream = await svc.stream()
-    stream.push_all(txn("02", big))
+    stream.push_all([*txn("02", first), *txn("03", big)])
     received = []
-    while len(received) < 4:
-        text = await asyncio.wait_for(ds.get(), 10)
-        received.append(loads(text)[0])
-    assert received == ["status", "begin", "data", "commit"]
-    await svc.durable("02")
-    stream.fail(ConnectionError("upstream went away"))
-    second = await svc.stream(2)
-    assert second.after_watermark == "02"
-    second.push_all(txn("03"))
     while len(received) < 7:
         text = await asyncio.wait_for(ds.get(), 10)
         received.append(loads(text)[0])
     assert received == ["status", "begin", "data", "commit", "begin", "data", "commit"]
+    await svc.durable("03")
+    for _ in range(1000):  # the loop is waiting on the first checkpoint
+        if svc.service.forwarder.current is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert svc.service.forwarder.current is not None
+    stream.fail(ConnectionError("upstream went away"))
+    second = await svc.stream(2)
+    assert second.after_watermark == "03"
+    second.push_all(txn("04"))
+    while len(received) < 10:
+        text = await asyncio.wait_for(ds.get(), 10)
+        received.append(loads(text)[0])
+    assert received[7:] == ["begin", "data", "commit"]
+
+
+async def test_a_subscriber_that_never_acks_holds_the_loop_within_two_checkpoints(
+    svc: Service,
+) -> None:
+    row = insert(1, pad="x" * 1000)
+    row_len = len(dumps(row))
+    ds = svc.subscribe(REPLICA_VERSION)  # reads, acks nothing yet
+    stream = await svc.stream()
+    stream.push_all(txn("02", *[row] * 200))  # ~3 checkpoints' worth
+    for _ in range(1000):
+        if svc.service.forwarder.current is not None:  # the loop waits
+            break
+        await asyncio.sleep(0.01)
+    assert svc.service.forwarder.current is not None
+    sent = []
+    while (text := ds.get_nowait()) is not None:
+        sent.append(text)
+    forwarded = sum(len(t) for t in sent[1:])  # after the initial status
+    # Pipelined one deep: the second checkpoint went out, the third did not.
+    assert 2 * FLUSH_THRESHOLD - row_len <= forwarded < 2 * FLUSH_THRESHOLD + row_len
+    ds.ack_many(len(sent))
+    while len(sent) < 1 + 202:
+        sent.append(await asyncio.wait_for(ds.get(), 10))
+        ds.ack_next()
+    assert loads(sent[-1])[0] == "commit"
+    await svc.durable("02")
 
 
 async def test_an_explicit_rollback_then_end_sends_no_second_rollback(svc: Service) -> None:
