@@ -93,23 +93,14 @@ class UpstreamAcker:
     def on_upstream(self, msg: ChangeSourceMessage) -> None:
         """Every upstream message, in stream order (data and control are ignored)."""
         if isinstance(msg, Begin):
-            self._open_tx = msg
+            self.on_begin(msg)
         elif isinstance(msg, Commit):
-            begin, self._open_tx = self._open_tx, None
-            # A skipAck (backfill) transaction is never acked: its commit neither
-            # becomes lastTx nor has a body to echo. Backfills are re-requested from
-            # the persisted backfill state after a restart, so the source may
-            # forget them.
-            if begin is None or not begin.skip_ack:
-                self._last_tx = max(self._last_tx, msg.watermark)
-                self._remember_commit(msg)
-            self._release_held_status()
+            self.on_commit(msg)
         elif isinstance(msg, Rollback):
             self._open_tx = None
             self._release_held_status()
-        elif isinstance(msg, Status):
-            if not msg.ack:
-                return
+            self._maybe_ack()
+        elif isinstance(msg, Status) and msg.ack:
             if self._open_tx is not None:
                 # B4, conservative: a status that arrives inside a transaction may
                 # sit at or beyond that transaction's commit, so it waits until the
@@ -117,8 +108,26 @@ class UpstreamAcker:
                 self._held_status = _later(self._held_status, msg)
                 return
             self._last_status = _later(self._last_status, msg)
-        else:
-            return
+            self._maybe_ack()
+
+    def on_begin(self, msg: Begin) -> None:
+        """``on_upstream`` of a begin (the main loop calls it directly)."""
+        self._open_tx = msg
+        self._maybe_ack()
+
+    def on_commit(self, msg: Commit) -> None:
+        """``on_upstream`` of a commit."""
+        begin, self._open_tx = self._open_tx, None
+        # A skipAck (backfill) transaction is never acked: its commit neither
+        # becomes lastTx nor has a body to echo. Backfills are re-requested from
+        # the persisted backfill state after a restart, so the source may
+        # forget them.
+        if begin is None or not begin.skip_ack:
+            if msg.watermark > self._last_tx:
+                self._last_tx = msg.watermark
+            self._remember_commit(msg)
+        if self._held_status is not None:
+            self._release_held_status()
         self._maybe_ack()
 
     def track_change_log(self, watermark: str) -> None:

@@ -64,7 +64,7 @@ from app.streamer.purge import Purger
 from app.streamer.reservations import Reservation, SnapshotReservations
 from app.streamer.rowrun import encode_rows
 from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, Storer
-from app.streamer.subscriber import Change, Mode, Subscriber
+from app.streamer.subscriber import Change, Mode, Subscriber, new_change
 from app.streamer.timers import LoopTimers, Timers
 
 log = logging.getLogger(__name__)
@@ -443,8 +443,20 @@ class ChangeStreamerService:
             ended.result()  # raises the stream's failure, if it failed
 
     def _dispatch(self, message: ChangeSourceMessage) -> tuple[int, Change] | None:
-        """Handles one message (not a control); returns the change to forward, if any."""
-        if isinstance(message, Data):  # every row: kept lean
+        """Handles one message (not a control); returns the change to forward, if any.
+
+        No await between storing and forwarding: the storer's queue and the
+        forwarder's transaction state must describe the same stream position.
+        """
+        kind = type(message)
+        if kind is Begin:
+            assert isinstance(message, Begin)
+            return self._begin(message)
+        if kind is Commit:
+            assert isinstance(message, Commit)
+            return self._commit(message)
+        if kind is Data:  # what encode_rows left: schema changes, values it cannot vouch for
+            assert isinstance(message, Data)
             tx = self._tx
             if tx is None:
                 raise UnrecoverableError(
@@ -452,12 +464,10 @@ class ChangeStreamerService:
                 )
             tag = message.tag
             change_json = dumps(message.body)
-            # No await between storing and forwarding (see below).
             self.storer.store(tx, tag, change_json, message.body if tag in _SCHEMA_TAGS else None)
             self.changes += 1
-            text = '["data",' + change_json + "]"  # reconstruct(tx, tag, change_json)
-            return len(text), Change(tx, tag, text)
-        kind = type(message)
+            text = reconstruct(tx, tag, change_json)
+            return len(text), new_change(tx, tag, text)
         if kind is Status:
             assert isinstance(message, Status)
             self.acker.on_upstream(message)
@@ -465,46 +475,50 @@ class ChangeStreamerService:
                 self._latest_lag_report = message.lag_report
                 self.forwarder.send_status()
             return None
-        elif kind is Begin:
-            assert isinstance(message, Begin)
-            if self._tx is not None:
-                raise UnrecoverableError(
-                    f"'begin' {message.commit_watermark} received while transaction "
-                    f"{self._tx} is open"
-                )
-            self._tx = message.commit_watermark
-            watermark, tag, body = message.commit_watermark, "begin", message.body
-        elif kind is Commit:
-            assert isinstance(message, Commit)
-            if self._tx is None:
-                raise UnrecoverableError("'commit' change received before 'begin' message")
-            if message.watermark != self._tx:
-                raise UnrecoverableError(
-                    f"commit watermark {message.watermark} does not match 'begin' "
-                    f"watermark {self._tx}"
-                )
-            watermark, tag, body = self._tx, "commit", None
-            self._tx = None  # complete once stored: an upstream end from here on rolls nothing back
-            self.transactions += 1
-        elif kind is Rollback:
+        if kind is Rollback:
+            assert isinstance(message, Rollback)
             if self._tx is None:
                 raise UnrecoverableError(
                     "'rollback' change (rollback) received before 'begin' message"
                 )
-            watermark, tag, body = self._tx, "rollback", None
-            self._tx = None
-        else:  # pragma: no cover - the union is exhaustive
-            raise UnrecoverableError(f"unexpected message {message!r}")
-        # Serialize the change object once; the message around it is a fixed
-        # frame (watermarks are LexiVersions: nothing to escape), byte-identical
-        # to serializing the whole tuple, and the storer keeps the object's text.
-        change_json = dumps(message.body)
-        text = reconstruct(watermark, tag, change_json)
-        # No await between storing and forwarding: the storer's queue and the
-        # forwarder's transaction state must describe the same stream position.
-        self.storer.store(watermark, tag, change_json, body)
-        self.acker.on_upstream(message)
-        return len(text), Change(watermark, tag, text)
+            watermark, self._tx = self._tx, None
+            change_json = dumps(message.body)
+            text = reconstruct(watermark, "rollback", change_json)
+            self.storer.store(watermark, "rollback", change_json, None)
+            self.acker.on_upstream(message)
+            return len(text), new_change(watermark, "rollback", text)
+        raise UnrecoverableError(f"unexpected message {message!r}")  # pragma: no cover
+
+    def _begin(self, message: Begin) -> tuple[int, Change]:
+        if self._tx is not None:
+            raise UnrecoverableError(
+                f"'begin' {message.commit_watermark} received while transaction {self._tx} is open"
+            )
+        watermark = self._tx = message.commit_watermark
+        # Serialize the change object once; the message around it is a fixed frame
+        # (watermarks are LexiVersions: nothing to escape), byte-identical to
+        # serializing the whole tuple, and the storer keeps the object's text.
+        change_json = _small_json(message.body, "begin")
+        text = reconstruct(watermark, "begin", change_json)
+        self.storer.begin(watermark, change_json, message.skip_ack)
+        self.acker.on_begin(message)
+        return len(text), new_change(watermark, "begin", text)
+
+    def _commit(self, message: Commit) -> tuple[int, Change]:
+        watermark = self._tx
+        if watermark is None:
+            raise UnrecoverableError("'commit' change received before 'begin' message")
+        if message.watermark != watermark:
+            raise UnrecoverableError(
+                f"commit watermark {message.watermark} does not match 'begin' watermark {watermark}"
+            )
+        self._tx = None  # complete once stored: an upstream end from here on rolls nothing back
+        self.transactions += 1
+        change_json = _small_json(message.body, "commit")
+        text = reconstruct(watermark, "commit", change_json)
+        self.storer.commit(watermark, change_json)
+        self.acker.on_commit(message)
+        return len(text), new_change(watermark, "commit", text)
 
     async def _reset_required(self, control: Control) -> None:
         message = control.message or "Resync required"
@@ -600,3 +614,11 @@ def _is_missing_table(error: BaseException) -> bool:
 
 
 _SCHEMA_TAGS = frozenset(SCHEMA_CHANGE_TAGS)
+
+
+def _small_json(body: dict[str, Any], tag: str) -> str:
+    """The JSON of a begin or commit body. Most are just ``{"tag": tag}``, whose
+    text needs no serializer; anything else goes through ``dumps``."""
+    if len(body) == 1 and body.get("tag") == tag:
+        return '{"tag":"' + tag + '"}'
+    return dumps(body)

@@ -158,19 +158,13 @@ class Storer:
         self, watermark: str, tag: str, message_json: str, body: dict[str, Any] | None
     ) -> None:
         """Takes one begin/data/commit/rollback message of the stream."""
-        tx = self._building
         if tag == "begin":
-            if tx is not None:
-                raise AssertionError(f"begin {watermark} while transaction {tx.watermark} is open")
-            self._building = _OpenTx(
-                watermark,
-                bool(body and body.get("skipAck") is True),
-                [(watermark, 0, message_json, None)],
-                bytes=len(message_json),
-            )
-            self._queued_bytes += len(message_json)
-            self._enqueued_in_tx = True
+            self.begin(watermark, message_json, bool(body and body.get("skipAck") is True))
             return
+        if tag == "commit":
+            self.commit(watermark, message_json)
+            return
+        tx = self._building
         if tx is None:
             raise AssertionError(f"{tag} {watermark} outside a transaction")
         if tag == "rollback":
@@ -180,19 +174,44 @@ class Storer:
         self._queued_bytes += size
         tx.bytes += size
         tx.pos += 1
-        if tag == "commit":
-            tx.rows.append((tx.watermark, tx.pos, message_json, tx.watermark))
-            self._building = None
-            self._enqueue(tx)
-            self._last_enqueued_commit = watermark
-            self._end_enqueued_tx()
-            return
         tx.rows.append((tx.watermark, tx.pos, message_json, None))
         if body is not None:
             tx.ops.extend(bookkeeping_for(body))
         if tx.bytes >= self._open_tx_flush_bytes:
             self._enqueue(_Chunk(tx.rows, tx.bytes))
             tx.rows, tx.bytes, tx.chunked = [], 0, True
+
+    def begin(self, watermark: str, message_json: str, skip_ack: bool) -> None:
+        """``store`` of a begin (the main loop calls it directly: once per transaction)."""
+        if self._building is not None:
+            raise AssertionError(
+                f"begin {watermark} while transaction {self._building.watermark} is open"
+            )
+        size = len(message_json)
+        self._building = _OpenTx(
+            watermark, skip_ack, [(watermark, 0, message_json, None)], bytes=size
+        )
+        self._queued_bytes += size
+        self._enqueued_in_tx = True
+
+    def commit(self, watermark: str, message_json: str) -> None:
+        """``store`` of a commit: the transaction is queued whole."""
+        tx = self._building
+        if tx is None:
+            raise AssertionError(f"commit {watermark} outside a transaction")
+        size = len(message_json)
+        self._queued_bytes += size
+        tx.bytes += size
+        tx.pos += 1
+        tx.rows.append((tx.watermark, tx.pos, message_json, tx.watermark))
+        self._building = None
+        self._queue.append(tx)
+        self._queue_ready.set()
+        self._last_enqueued_commit = watermark
+        if self._parked:
+            self._end_enqueued_tx()
+        else:
+            self._enqueued_in_tx = False
 
     def store_rows(self, jsons: list[str]) -> None:
         """``store`` for consecutive row changes (no schema changes) of the open

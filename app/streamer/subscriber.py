@@ -43,6 +43,15 @@ class Change(NamedTuple):
     json: str
 
 
+def new_change(watermark: str, tag: str, json: str) -> Change:
+    """``Change(watermark, tag, json)`` without NamedTuple's generated Python
+    ``__new__`` (~0.2 against ~0.4-0.6 us): for the per-transaction paths."""
+    return _tuple_new(Change, (watermark, tag, json))
+
+
+_tuple_new = tuple.__new__
+
+
 class Subscriber:
     def __init__(
         self,

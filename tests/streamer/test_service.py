@@ -658,3 +658,20 @@ async def test_the_coverage_gate_needs_a_backup_at_the_start_position(change_db:
     s.service.track_backup_watermark("01")
     assert s.service.backup_covered
     await s.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "tag"),
+    [
+        ({"tag": "begin"}, "begin"),
+        ({"tag": "commit"}, "commit"),
+        ({"tag": "begin", "skipAck": True}, "begin"),
+        ({"tag": "commit", "commitTimeMs": 1.0}, "commit"),  # JS writes 1
+        ({"tag": "commit"}, "begin"),  # not the usual body for the tag: serialized
+        ({"json": "p", "tag": "begin"}, "begin"),
+    ],
+)
+def test_begin_and_commit_bodies_are_their_canonical_json(body: dict[str, Any], tag: str) -> None:
+    from app.streamer.service import _small_json
+
+    assert _small_json(body, tag) == dumps(body)
