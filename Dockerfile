@@ -13,8 +13,9 @@ COPY pyproject.toml README.md alembic.ini ./
 COPY app ./app
 COPY migrations ./migrations
 COPY scripts/build-speedups ./scripts/
-# The C helpers (app/protocol/_jsscan.c, app/server/_wsfast.c, app/streamer/_rowrun.c;
-# docs/architecture.md decisions 31 and 32): compiled with a compiler that is removed
+# The C helpers (app/protocol/_jsscan.c, app/server/_wsfast.c, app/streamer/_rowrun.c,
+# app/streamer/_fanout.c;
+# docs/architecture.md decisions 31, 32, 34): compiled with a compiler that is removed
 # again; the wheel takes the .so files as artifacts.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && scripts/build-speedups python \

@@ -22,6 +22,25 @@ from typing import Literal, overload
 DEFAULT_MAX_UNCONSUMED_BYTES = 64 * 1024 * 1024
 
 
+def _running_totals_py(ends: list[int], messages: list[str], total: int) -> int:
+    """Appends the running byte total after each message to ``ends``; returns the
+    last. ``app/streamer/_fanout.c`` is the same in C (it runs per change per
+    subscriber)."""
+    for message in messages:
+        total += len(message)
+        ends.append(total)
+    return total
+
+
+running_totals: Callable[[list[int], list[str], int], int]
+try:
+    from app.streamer import _fanout
+except ImportError:  # not built here (no C compiler): same results, slower
+    running_totals = _running_totals_py
+else:
+    running_totals = _fanout.running_totals
+
+
 class DownstreamClosed(Exception):
     """The channel is closed; nothing more will be delivered."""
 
@@ -108,11 +127,7 @@ class Downstream:
         if self._closed or not messages:
             return
         self._unsent.extend(messages)
-        ends = self._ends
-        total = self._pushed_bytes
-        for message in messages:
-            total += len(message)
-            ends.append(total)
+        total = running_totals(self._ends, messages, self._pushed_bytes)
         self._pushed_bytes = total
         self.pushed += len(messages)
         self._wakeup.set()

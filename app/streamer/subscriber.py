@@ -52,6 +52,39 @@ def new_change(watermark: str, tag: str, json: str) -> Change:
 _tuple_new = tuple.__new__
 
 
+def _select_live_py(
+    changes: list[Change],
+    watermark: str,
+    unsupported: frozenset[str],
+    pushed: int,
+    texts: list[str],
+    commits: deque[tuple[int, str]],
+) -> str:
+    """What a live subscriber at ``watermark`` takes of a forwarded batch: appends
+    the texts to ``texts`` and (message number, watermark) of each commit to
+    ``commits`` (messages numbered on from ``pushed``); returns the new watermark.
+    ``app/streamer/_fanout.c`` is the same in C (it runs per change per subscriber)."""
+    for change in changes:
+        if change.watermark <= watermark or change.tag in unsupported:
+            continue
+        texts.append(change.json)
+        if change.tag == "commit":
+            watermark = change.watermark
+            commits.append((pushed + len(texts), watermark))
+    return watermark
+
+
+select_live: Callable[
+    [list[Change], str, frozenset[str], int, list[str], deque[tuple[int, str]]], str
+]
+try:
+    from app.streamer import _fanout
+except ImportError:  # not built here (no C compiler): same results, slower
+    select_live = _select_live_py
+else:
+    select_live = _fanout.select_live
+
+
 class Subscriber:
     def __init__(
         self,
@@ -140,19 +173,10 @@ class Subscriber:
             for change in changes:
                 self.send(change)  # the backlog's gate is its own bound
             return
-        texts = []
-        commits = self._commits
-        pushed = self.downstream.pushed
-        watermark = self.watermark
-        unsupported = self._unsupported
-        for change in changes:
-            if change.watermark <= watermark or change.tag in unsupported:
-                continue
-            texts.append(change.json)
-            if change.tag == "commit":
-                watermark = change.watermark
-                commits.append((pushed + len(texts), watermark))
-        self.watermark = watermark
+        texts: list[str] = []
+        self.watermark = select_live(
+            changes, self.watermark, self._unsupported, self.downstream.pushed, texts, self._commits
+        )
         self.downstream.push_many(texts)
 
     def send_status(self) -> None:
