@@ -22,7 +22,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
-from bench.pg_subscribers import RawSocket, ack_frame
+from bench.pg_subscribers import RawSocket
 
 
 async def subscriber(url: str, final: str, first_frame: list[float]) -> int:
@@ -32,12 +32,11 @@ async def subscriber(url: str, final: str, first_frame: list[float]) -> int:
     # The final commit ends a v6 frame (`…}]}`) or a v7 batch (`…}]]}`).
     marker = f'{{"watermark":"{final}"}}]'.encode()
     try:
-        async for batch in ws.messages():
+        async for count, last in ws.ack_each():
             if not first_frame:
                 first_frame.append(time.perf_counter())
-            frames += len(batch)
-            ws.send(b"".join(ack_frame(m[6 : m.index(b",")]) for m in batch))
-            if batch[-1].endswith((marker + b"}", marker + b"]}")):
+            frames += count
+            if last.endswith((marker + b"}", marker + b"]}")):
                 await ws.drain()
                 return frames
             await ws.drain()
