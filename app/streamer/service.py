@@ -352,7 +352,9 @@ class ChangeStreamerService:
                         message = batch[i]
                         kind = type(message)
                         if kind is Data and self._tx is not None:
-                            # The common case, a run of row changes, in one call.
+                            # The common case, a run of row changes, in one call
+                            # (rowrun.py). It stops after the change that fills the
+                            # flow-control budget: that change is the checkpoint.
                             after, used = encode_rows(
                                 batch, i, self._tx, forwarding, jsons, FLUSH_THRESHOLD - unflushed
                             )
