@@ -128,47 +128,11 @@ class RawSocket:
     async def messages(self) -> AsyncIterator[list[bytes]]:
         """Text messages, a batch per socket read; control frames are handled here."""
         while True:
-            chunk = await asyncio.wait_for(self._reader.read(_READ_SIZE), _FRAME_TIMEOUT_S)
-            if not chunk:
-                raise SubscriptionRefused("the change-streamer closed the connection")
-            self._buf = self._buf[self._pos :] + chunk
-            self._pos = 0
-            batch = self._parse()
+            await self._read()
+            batch: list[bytes] = []
+            self._scan(batch, ids_only=False)
             if batch:
                 yield batch
-
-    def _parse(self) -> list[bytes]:
-        out: list[bytes] = []
-        buf, pos, n = self._buf, self._pos, len(self._buf)
-        while n - pos >= 2:
-            b0, b1 = buf[pos], buf[pos + 1]
-            length, head = b1 & 0x7F, 2
-            if length == 126:
-                if n - pos < 4:
-                    break
-                length, head = int.from_bytes(buf[pos + 2 : pos + 4], "big"), 4
-            elif length == 127:
-                if n - pos < 10:
-                    break
-                length, head = int.from_bytes(buf[pos + 2 : pos + 10], "big"), 10
-            if b1 & 0x80:
-                raise SubscriptionRefused("masked frame from the server")
-            if n - pos < head + length:
-                break
-            payload = buf[pos + head : pos + head + length]
-            pos += head + length
-            opcode = b0 & 0x0F
-            if opcode in (_OP_TEXT, _OP_CONT):
-                self._partial.append(payload)
-                if b0 & 0x80:
-                    out.append(b"".join(self._partial))
-                    self._partial.clear()
-            elif opcode == _OP_PING:
-                self._writer.write(_client_frame(0xA, payload))
-            elif opcode == _OP_CLOSE:
-                raise SubscriptionRefused(f"close frame {payload[:2].hex()} {payload[2:]!r}")
-        self._pos = pos
-        return out
 
     async def ack_each(self) -> AsyncIterator[tuple[int, bytes]]:
         """Per socket read: acks every text message (all acks in one write) and
@@ -176,19 +140,25 @@ class RawSocket:
         (``bench.ws_subscribers``): no copy of each payload, ~2.5× less CPU per
         frame than ``messages`` plus per-message acks."""
         while True:
-            chunk = await asyncio.wait_for(self._reader.read(_READ_SIZE), _FRAME_TIMEOUT_S)
-            if not chunk:
-                raise SubscriptionRefused("the change-streamer closed the connection")
-            self._buf = self._buf[self._pos :] + chunk
-            self._pos = 0
+            await self._read()
             ids: list[bytes] = []
-            last = self._scan_ids(ids)
+            last = self._scan(ids, ids_only=True)
             if ids:
                 self._writer.write(b"".join([_ack_prefix(len(i)) + i + b"}" for i in ids]))
                 yield len(ids), last
 
-    def _scan_ids(self, ids: list[bytes]) -> bytes:
-        """``_parse`` that keeps only each text message's id (and the last message)."""
+    async def _read(self) -> None:
+        """Appends the next socket read to the unparsed rest of the buffer."""
+        chunk = await asyncio.wait_for(self._reader.read(_READ_SIZE), _FRAME_TIMEOUT_S)
+        if not chunk:
+            raise SubscriptionRefused("the change-streamer closed the connection")
+        self._buf = self._buf[self._pos :] + chunk
+        self._pos = 0
+
+    def _scan(self, out: list[bytes], *, ids_only: bool) -> bytes:
+        """Takes the whole frames in the buffer: appends each text message to
+        ``out``, or with ``ids_only`` just its id (``{"id":N,`` opens every server
+        message); answers pings. Returns the last text message."""
         buf, pos, n = self._buf, self._pos, len(self._buf)
         last = b""
         while n - pos >= 2:
@@ -208,21 +178,23 @@ class RawSocket:
             if n < end:
                 break
             pos = end
-            if b0 == 0x80 | _OP_TEXT and not self._partial:  # a whole text message
-                ids.append(buf[start + 6 : buf.index(b",", start + 6, end)])
+            if b0 == 0x80 | _OP_TEXT and not self._partial and ids_only:
+                # The common case when only counting: no copy of the message.
+                out.append(buf[start + 6 : buf.index(b",", start + 6, end)])
                 last = buf[start:end]
                 continue
             opcode = b0 & 0x0F
+            payload = buf[start:end]
             if opcode in (_OP_TEXT, _OP_CONT):
-                self._partial.append(buf[start:end])
+                self._partial.append(payload)
                 if b0 & 0x80:
                     last = b"".join(self._partial)
                     self._partial.clear()
-                    ids.append(last[6 : last.index(b",")])
+                    out.append(last[6 : last.index(b",")] if ids_only else last)
             elif opcode == _OP_PING:
-                self._writer.write(_client_frame(0xA, buf[start:end]))
+                self._writer.write(_client_frame(0xA, payload))
             elif opcode == _OP_CLOSE:
-                raise SubscriptionRefused(f"close frame {buf[start : start + 2].hex()}")
+                raise SubscriptionRefused(f"close frame {payload[:2].hex()} {payload[2:]!r}")
         self._pos = pos
         return last
 

@@ -123,11 +123,9 @@ class UpstreamAcker:
         # the persisted backfill state after a restart, so the source may
         # forget them.
         if begin is None or not begin.skip_ack:
-            if msg.watermark > self._last_tx:
-                self._last_tx = msg.watermark
+            self._last_tx = max(self._last_tx, msg.watermark)
             self._remember_commit(msg)
-        if self._held_status is not None:
-            self._release_held_status()
+        self._release_held_status()
         self._maybe_ack()
 
     def track_change_log(self, watermark: str) -> None:

@@ -170,16 +170,9 @@ class Storer:
         if tag == "rollback":
             self._drop_building()
             return
-        size = len(message_json)
-        self._queued_bytes += size
-        tx.bytes += size
-        tx.pos += 1
-        tx.rows.append((tx.watermark, tx.pos, message_json, None))
-        if body is not None:
+        if body is not None:  # a schema change: its backfill bookkeeping goes with the commit
             tx.ops.extend(bookkeeping_for(body))
-        if tx.bytes >= self._open_tx_flush_bytes:
-            self._enqueue(_Chunk(tx.rows, tx.bytes))
-            tx.rows, tx.bytes, tx.chunked = [], 0, True
+        self.store_rows([message_json])
 
     def begin(self, watermark: str, message_json: str, skip_ack: bool) -> None:
         """``store`` of a begin (the main loop calls it directly: once per transaction)."""
@@ -205,17 +198,14 @@ class Storer:
         tx.pos += 1
         tx.rows.append((tx.watermark, tx.pos, message_json, tx.watermark))
         self._building = None
-        self._queue.append(tx)
-        self._queue_ready.set()
+        self._enqueue(tx)
         self._last_enqueued_commit = watermark
-        if self._parked:
-            self._end_enqueued_tx()
-        else:
-            self._enqueued_in_tx = False
+        self._end_enqueued_tx()
 
     def store_rows(self, jsons: list[str]) -> None:
-        """``store`` for consecutive row changes (no schema changes) of the open
-        transaction, given their change objects' JSON: one call per run of rows."""
+        """``store`` for consecutive data changes of the open transaction, given
+        their change objects' JSON: one call per run of rows (``store`` adds a
+        schema change's bookkeeping first)."""
         tx = self._building
         if tx is None:
             raise AssertionError("row changes outside a transaction")
@@ -283,6 +273,8 @@ class Storer:
 
     def _end_enqueued_tx(self) -> None:
         self._enqueued_in_tx = False
+        if not self._parked:  # the usual case, once per transaction
+            return
         parked, self._parked = self._parked, []
         for request in parked:
             self._start_catchup(request, self._last_enqueued_commit)

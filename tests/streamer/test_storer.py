@@ -143,50 +143,51 @@ async def test_an_aborted_transaction_stores_nothing_and_the_next_one_is_stored(
     assert {w for w, _, _ in await harness.rows()} == {"01", "03"}
 
 
-@pytest.mark.parametrize("end", ["rollback", "abort"])
-async def test_a_big_transaction_written_in_pieces_is_dropped_whole(
-    change_db: ChangeDb, end: str
-) -> None:
-    """Ended by the upstream's rollback or cut off by the stream (abort)."""
+@pytest.fixture
+async def in_pieces(change_db: ChangeDb) -> AsyncIterator[Harness]:
+    """A storer that writes a transaction in pieces past 2,000 bytes."""
     h = Harness(change_db, open_tx_flush_bytes=2000)
     h.start()
-    try:
-        h.feed([begin("02"), *[insert("02", i) for i in range(200)]])
-        await settle()
-        await asyncio.sleep(0.2)  # its first pieces are written
-        if end == "rollback":
-            h.feed([rollback("02")])
-        else:
-            h.storer.abort()
-        h.feed(txn("03"))
-        await h.until_durable("03")
-        assert {w for w, _, _ in await h.rows()} == {"01", "03"}
-        assert h.durable == ["03"]
-    finally:
-        await h.close()
+    yield h
+    await h.close()
+
+
+@pytest.mark.parametrize("end", ["rollback", "abort"])
+async def test_a_big_transaction_written_in_pieces_is_dropped_whole(
+    in_pieces: Harness, end: str
+) -> None:
+    """Ended by the upstream's rollback or cut off by the stream (abort)."""
+    h = in_pieces
+    h.feed([begin("02"), *[insert("02", i) for i in range(200)]])
+    await settle()
+    await asyncio.sleep(0.2)  # its first pieces are written
+    if end == "rollback":
+        h.feed([rollback("02")])
+    else:
+        h.storer.abort()
+    h.feed(txn("03"))
+    await h.until_durable("03")
+    assert {w for w, _, _ in await h.rows()} == {"01", "03"}
+    assert h.durable == ["03"]
 
 
 @pytest.mark.parametrize("rows_in", ["one at a time", "in runs"])
 async def test_a_big_transaction_written_in_pieces_keeps_every_position(
-    change_db: ChangeDb, rows_in: str
+    in_pieces: Harness, rows_in: str
 ) -> None:
-    h = Harness(change_db, open_tx_flush_bytes=2000)
-    h.start()
-    try:
-        inserts = [insert("04", i) for i in range(200)]
-        h.feed([begin("04")])
-        if rows_in == "in runs":  # store_rows: the main loop's call for a run of rows
-            for k in range(0, len(inserts), 30):
-                h.storer.store_rows([text for _, _, text, _ in inserts[k : k + 30]])
-        else:
-            h.feed(inserts)
-        h.feed([commit("04"), *txn("05")])
-        await h.until_durable("05")
-        rows = [(w, p) for w, p, _ in await h.rows() if w == "04"]
-        assert rows == [("04", p) for p in range(202)]
-        assert h.durable == ["04", "05"]
-    finally:
-        await h.close()
+    h = in_pieces
+    inserts = [insert("04", i) for i in range(200)]
+    h.feed([begin("04")])
+    if rows_in == "in runs":  # store_rows: the main loop's call for a run of rows
+        for k in range(0, len(inserts), 30):
+            h.storer.store_rows([text for _, _, text, _ in inserts[k : k + 30]])
+    else:
+        h.feed(inserts)
+    h.feed([commit("04"), *txn("05")])
+    await h.until_durable("05")
+    rows = [(w, p) for w, p, _ in await h.rows() if w == "04"]
+    assert rows == [("04", p) for p in range(202)]
+    assert h.durable == ["04", "05"]
 
 
 async def test_row_changes_outside_a_transaction_are_refused(change_db: ChangeDb) -> None:
@@ -195,23 +196,19 @@ async def test_row_changes_outside_a_transaction_are_refused(change_db: ChangeDb
         h.storer.store_rows([insert("02", 0)[2]])
 
 
-async def test_queued_bytes_count_what_waits_and_fall_to_zero(change_db: ChangeDb) -> None:
-    h = Harness(change_db, open_tx_flush_bytes=2000)
-    h.start()
-    try:
-        open_tx = [begin("02"), *[insert("02", i) for i in range(5)]]
-        h.feed(open_tx)
-        assert h.storer.queued_bytes == sum(len(text) for _, _, text, _ in open_tx)
-        h.feed([rollback("02")])  # never queued: its bytes are free at once
-        assert h.storer.queued_bytes == 0
-        h.feed([begin("03"), *[insert("03", i) for i in range(200)]])  # in pieces
-        await asyncio.sleep(0.2)
-        h.feed([rollback("03"), *txn("04")])
-        await h.until_durable("04")
-        assert h.storer.queued_bytes == 0
-        assert {w for w, _, _ in await h.rows()} == {"01", "04"}
-    finally:
-        await h.close()
+async def test_queued_bytes_count_what_waits_and_fall_to_zero(in_pieces: Harness) -> None:
+    h = in_pieces
+    open_tx = [begin("02"), *[insert("02", i) for i in range(5)]]
+    h.feed(open_tx)
+    assert h.storer.queued_bytes == sum(len(text) for _, _, text, _ in open_tx)
+    h.feed([rollback("02")])  # never queued: its bytes are free at once
+    assert h.storer.queued_bytes == 0
+    h.feed([begin("03"), *[insert("03", i) for i in range(200)]])  # in pieces
+    await asyncio.sleep(0.2)
+    h.feed([rollback("03"), *txn("04")])
+    await h.until_durable("04")
+    assert h.storer.queued_bytes == 0
+    assert {w for w, _, _ in await h.rows()} == {"01", "04"}
 
 
 async def test_ownership_taken_over_stops_the_storer_and_stores_nothing(
