@@ -72,6 +72,8 @@ SLOT_BUSY_DELAY_S: Final = 0.01
 DEFAULT_POLL_S: Final = 5.0
 # A timer may fire a hair early; a keepalive that is this close to due is sent.
 KEEPALIVE_SLACK_S: Final = 0.005
+# How long close() waits for the standby writer to end, once woken and once cancelled.
+WRITER_STOP_S: Final = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,10 +188,21 @@ class PostgresChangeStream(ChangeStream):
         if self._closed.is_set():
             return
         self._closed.set()
-        self._writer.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._writer
+        # The writer ends on its own once woken: cancelling it alone is not enough
+        # on Python 3.11, whose wait_for() swallows a cancel that arrives while the
+        # event it waits on has just been set (an ack right before close() did
+        # that, and close() then waited forever on a writer still sending
+        # keepalives). Closing the connection wakes a writer blocked in a send.
+        self._send_wakeup.set()
+        await asyncio.wait({self._writer}, timeout=WRITER_STOP_S)
         await self._replication.close()
+        if not self._writer.done():
+            self._writer.cancel()
+            await asyncio.wait({self._writer}, timeout=WRITER_STOP_S)
+        if self._writer.done() and not self._writer.cancelled():
+            # Retrieve it, so a send that failed on the closing socket is not
+            # reported as a never-retrieved task exception.
+            self._writer.exception()
 
     # -- reading --------------------------------------------------------
 
@@ -270,7 +283,7 @@ class PostgresChangeStream(ChangeStream):
 
     async def _write_loop(self) -> None:
         last_sent = time.monotonic()
-        while True:
+        while not self._closed.is_set():
             # Wait until an ack is due or the manual keepalive is; the deadline is
             # absolute, so wakeups for nothing do not push the keepalive back.
             timeout: float | None = None
@@ -279,6 +292,8 @@ class PostgresChangeStream(ChangeStream):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._send_wakeup.wait(), timeout)
             self._send_wakeup.clear()
+            if self._closed.is_set():
+                return
             lsn = self._acker.take()
             keepalive_due = (
                 self._keepalive_s is not None

@@ -270,6 +270,36 @@ async def test_ack_moves_the_slot_and_restart_resumes_after_it(upstream: tuple[s
         await stream.close()
 
 
+async def test_close_right_after_an_ack_ends_the_stream(upstream: tuple[str, str]) -> None:
+    # An ack wakes the standby writer; a close() in the same loop step used to
+    # cancel it just as its wait_for() completed, which Python 3.11 swallows: the
+    # writer kept sending keepalives and close() never returned (CI hung here).
+    url, start = upstream
+    stream = await source_for(url).start_stream(start, [])
+    stream.ack(["status", {}, {"watermark": start}])
+    closing = asyncio.ensure_future(stream.close())
+    done, _ = await asyncio.wait({closing}, timeout=10)
+    if not done:
+        closing.cancel()
+    assert closing in done, "close() did not return within 10 s"
+    # The walsender is gone: the slot is free for the next stream.
+    for _ in range(100):
+        if not await slot_active(url):
+            break
+        await asyncio.sleep(0.05)
+    assert not await slot_active(url)
+
+
+async def slot_active(url: str) -> bool:
+    async with await psycopg.AsyncConnection.connect(url) as c:
+        cur = await c.execute(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)
+        )
+        row = await cur.fetchone()
+        assert row is not None
+        return bool(row[0])
+
+
 async def test_keepalives_become_ack_statuses_and_our_keepalives_hold_the_connection(
     upstream: tuple[str, str],
 ) -> None:
