@@ -32,12 +32,17 @@ from app.storage.errors import DuplicateChangeError
 Row = tuple[str, int, str, str | None]
 _T = TypeVar("_T")
 
-# Rows per SQLite INSERT statement. sqlite3 releases and re-takes the GIL around
-# every statement step; with one row per step, a busy event loop thread makes
-# each re-take wait for the GIL switch interval (5 ms), and a 2,000-row append
-# took seconds under load (the convoy effect). Many rows per step avoid that.
-# 4 parameters each: 800, far below SQLite's limit of 32,766.
-SQLITE_ROWS_PER_STATEMENT = 2000
+# Rows per SQLite INSERT statement, at most. sqlite3 releases and re-takes the
+# GIL around every statement step; with one row per step, a busy event loop
+# thread makes each re-take wait for the GIL switch interval, and a 2,000-row
+# append took seconds under load (the convoy effect). Many rows per step avoid
+# that. A group of n rows is written with statements of 256, 128, ..., 2, 1 rows
+# (n's binary digits below 256): a handful of steps, and only nine statement
+# texts, all in sqlite3's statement cache. One statement of exactly n rows (as
+# before) had to be prepared anew for almost every group, since group sizes
+# vary, and preparing a many-row VALUES list cost as much as inserting its rows
+# (`python -m bench.storage --groups varied`, docs/benchmarks.md, session 6).
+SQLITE_ROWS_PER_STATEMENT = 256
 
 
 class FastPath:
@@ -54,7 +59,13 @@ class FastPath:
         else:
             self._insert = f"INSERT INTO {table} ({columns}) VALUES "
             p = "?"
-        self._insert_full = self._values_insert(SQLITE_ROWS_PER_STATEMENT)
+        # SQLite's multi-row INSERTs by row count: SQLITE_ROWS_PER_STATEMENT and
+        # the powers of two below it.
+        self._inserts: dict[int, str] = {}
+        n = SQLITE_ROWS_PER_STATEMENT if db.dialect == "sqlite" else 0
+        while n >= 1:
+            self._inserts[n] = self._insert + ",".join(["(?,?,?,?)"] * n)
+            n //= 2
         # The change column is read as text so the driver never parses it.
         select = f'SELECT "watermark", "pos", "change"::text, "precommit" FROM {table}'
         if db.dialect == "sqlite":
@@ -67,9 +78,6 @@ class FastPath:
         lock = " FOR UPDATE" if db.dialect == "postgresql" else ""
         self._select_owner = f'SELECT "owner" FROM {state}{lock}'
         self._set_head = f'UPDATE {state} SET "lastWatermark" = {p}'
-
-    def _values_insert(self, rows: int) -> str:
-        return self._insert + ",".join(["(?,?,?,?)"] * rows)
 
     async def begin_write(self, conn: AsyncConnection) -> str | None:
         """Opens the write transaction and returns the owner, whose row it now locks."""
@@ -148,15 +156,15 @@ class FastPath:
         return current
 
     def _insert_sqlite(self, sq: sqlite3.Connection, rows: Sequence[Row]) -> None:
-        """Runs in the driver's thread: full statements, then one for the rest."""
-        n = SQLITE_ROWS_PER_STATEMENT
-        full = len(rows) - len(rows) % n
-        if full:
-            chunks = [list(chain.from_iterable(rows[i : i + n])) for i in range(0, full, n)]
-            sq.executemany(self._insert_full, chunks)
-        if full < len(rows):
-            rest = rows[full:]
-            sq.execute(self._values_insert(len(rest)), list(chain.from_iterable(rest)))
+        """Runs in the driver's thread: full statements, then the rest by halves."""
+        start, total, n = 0, len(rows), SQLITE_ROWS_PER_STATEMENT
+        while start < total:
+            while n > total - start:
+                n //= 2
+            end = start + (total - start) // n * n
+            params = [list(chain.from_iterable(rows[i : i + n])) for i in range(start, end, n)]
+            sq.executemany(self._inserts[n], params)
+            start = end
 
     async def read_first(
         self, conn: AsyncConnection, from_watermark: str, up_to: str, limit: int
