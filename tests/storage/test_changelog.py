@@ -145,9 +145,9 @@ async def test_a_writer_that_lost_ownership_stores_nothing(log: ChangeLog) -> No
     assert await log.max_watermark() == "01"
 
 
-# On SQLite a group is written by statements of 256 rows, then 128, 64, ... 1 for
-# the rest: sizes around those edges, and one that takes every statement size.
-@pytest.mark.parametrize("count", [1, 2, 3, 255, 256, 257, 511, 767, 2100])
+# On SQLite a group is written by statements of 2048 rows, then 1024, 512, ... 1
+# for the rest: sizes around those edges, and one that takes every statement size.
+@pytest.mark.parametrize("count", [1, 2, 3, 255, 256, 257, 2047, 2048, 2049, 6143])
 async def test_commit_rows_stores_rows_and_moves_the_head_in_one_call(
     log: ChangeLog, count: int
 ) -> None:
