@@ -33,6 +33,7 @@ from app.storage import (
     AutoResetSignal,
     ChangeDb,
     ChangeDbConfigError,
+    ChangeDbOptions,
     ChangeDbSetupError,
     Replication,
     SubscriptionState,
@@ -109,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def open_change_db(settings: Settings) -> ChangeDb:
-    return create_change_db(parse_change_db_url(settings.change_db_url), settings.shard)
+    options = ChangeDbOptions(sqlite_writer=settings.sqlite_writer)
+    return create_change_db(parse_change_db_url(settings.change_db_url), settings.shard, options)
 
 
 async def _migrate(db: ChangeDb) -> str:

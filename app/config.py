@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -83,6 +83,11 @@ class Settings(BaseSettings):
     # stays the initial snapshot and the service does about half the work per change.
     follow_replica: bool = Field(
         True, validation_alias=AliasChoices("CHANGESTREAMER_FOLLOW_REPLICA")
+    )
+    # Where SQLite group commits run: "process" (a writer process of their own, off
+    # the event loop's GIL) or "thread" (aiosqlite's thread, in the service).
+    sqlite_writer: Literal["process", "thread"] = Field(
+        "process", validation_alias=AliasChoices("CHANGESTREAMER_SQLITE_WRITER")
     )
     demo_rate_per_s: float = Field(
         10.0, gt=0, validation_alias=AliasChoices("CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND")

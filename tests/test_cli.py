@@ -59,6 +59,9 @@ def test_settings_use_zero_names_and_defaults(
     monkeypatch.setenv("ZERO_CHANGE_STREAMER_PORT", "7000")
     settings = load_settings()
     assert (settings.app_publications, settings.listen_port) == (["x", "y"], 7000)
+    assert settings.sqlite_writer == "process"
+    monkeypatch.setenv("CHANGESTREAMER_SQLITE_WRITER", "thread")
+    assert load_settings().sqlite_writer == "thread"
 
 
 @pytest.mark.parametrize(
@@ -69,6 +72,7 @@ def test_settings_use_zero_names_and_defaults(
         ("ZERO_PORT", "70000", "invalid setting ZERO_PORT"),
         ("ZERO_APP_ID", "My-App", "app ID 'My-App' is invalid"),
         ("ZERO_LOG_LEVEL", "loud", "invalid setting ZERO_LOG_LEVEL"),
+        ("CHANGESTREAMER_SQLITE_WRITER", "fork", "invalid setting CHANGESTREAMER_SQLITE_WRITER"),
     ],
 )
 def test_a_bad_setting_is_one_clear_line(

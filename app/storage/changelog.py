@@ -106,19 +106,29 @@ class ChangeLog:
                 await self._fast.rollback_write(conn)
                 raise
 
+    async def start_writer(self) -> None:
+        """Starts SQLite's writer process, if there is one, before the first commit
+        needs it (its start-up would otherwise delay that commit)."""
+        if self._db.sqlite_writer is not None:
+            await self._db.sqlite_writer.start()
+
     async def commit_rows(self, owner: str, rows: Sequence[StoredRow], last_watermark: str) -> None:
         """One write transaction of plain rows that moves ``lastWatermark``: what a
         group commit without bookkeeping is. ``OwnershipLostError`` as ``write``.
 
-        On SQLite the whole transaction is one hop to the driver's thread.
+        On SQLite the whole transaction is one request to the writer process
+        (``storage/sqlite_writer.py``), or one hop to the driver's thread.
         """
         if self._db.dialect != "sqlite":
             async with self.write(owner) as tx:
                 await tx.append(rows)
                 tx.set_last_watermark(last_watermark)
             return
-        async with self._db.writer.connect() as conn:
-            current = await self._fast.commit_rows_sqlite(conn, owner, rows, last_watermark)
+        if self._db.sqlite_writer is not None:
+            current = await self._db.sqlite_writer.commit_rows(owner, rows, last_watermark)
+        else:
+            async with self._db.writer.connect() as conn:
+                current = await self._fast.commit_rows_sqlite(conn, owner, rows, last_watermark)
         if current != owner:
             raise OwnershipLostError(f"changeLog ownership has been assumed by {current}")
 

@@ -26,6 +26,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from app.storage.errors import ChangeDbConfigError
+from app.storage.sqlite_group import SqliteStatements
+from app.storage.sqlite_writer import SqliteWriterProcess
 
 APPLICATION_NAME = "zero-change-streamer"
 
@@ -33,6 +35,7 @@ _APP_ID = re.compile(r"^[a-z0-9_]+$")
 
 Dialect = Literal["sqlite", "postgresql"]
 SqliteSynchronous = Literal["OFF", "NORMAL", "FULL", "EXTRA"]
+SqliteWriter = Literal["process", "thread"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,9 @@ class ChangeDbOptions:
     # cost to one fsync per batch.
     sqlite_synchronous: SqliteSynchronous = "FULL"
     sqlite_busy_timeout_ms: int = 10_000
+    # Where group commits run on SQLite: a writer process of their own (off the
+    # event loop's GIL; storage/sqlite_writer.py) or aiosqlite's thread.
+    sqlite_writer: SqliteWriter = "process"
     sqlite_readers: int = 4
     pg_pool_size: int = 5
     pg_max_overflow: int = 5
@@ -135,12 +141,16 @@ class ChangeDb:
     reader: AsyncEngine
     # The schema holding the tables, or None on SQLite.
     schema: str | None
+    # SQLite's group commits, when they run in a process of their own.
+    sqlite_writer: SqliteWriterProcess | None = None
 
     @property
     def description(self) -> str:
         return describe_url(self.url)
 
     async def dispose(self) -> None:
+        if self.sqlite_writer is not None:
+            await self.sqlite_writer.close()
         await self.writer.dispose()
         if self.reader is not self.writer:
             await self.reader.dispose()
@@ -172,8 +182,22 @@ def _create_sqlite(url: URL, shard: Shard, opts: ChangeDbOptions) -> ChangeDb:
     )
     _configure_sqlite(writer, opts, begin="BEGIN IMMEDIATE")
     _configure_sqlite(reader, opts, begin="BEGIN")
+    group_writer = None
+    if opts.sqlite_writer == "process":
+        group_writer = SqliteWriterProcess(
+            str(Path(url.database).resolve()),
+            SqliteStatements.for_tables('"changeLog"', '"replicationState"'),
+            synchronous=opts.sqlite_synchronous,
+            busy_timeout_ms=opts.sqlite_busy_timeout_ms,
+        )
     return ChangeDb(
-        url=url, shard=shard, dialect="sqlite", writer=writer, reader=reader, schema=None
+        url=url,
+        shard=shard,
+        dialect="sqlite",
+        writer=writer,
+        reader=reader,
+        schema=None,
+        sqlite_writer=group_writer,
     )
 
 

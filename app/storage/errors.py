@@ -41,3 +41,9 @@ class DuplicateChangeError(StorageError):
 
     A source re-sent a stored transaction; nothing of the write is kept.
     """
+
+    @classmethod
+    def from_driver(cls, message: str) -> DuplicateChangeError:
+        """From the driver's unique-violation message."""
+        detail = " ".join(message.split())
+        return cls(f"a change is already stored at the same (watermark, pos): {detail}")

@@ -20,32 +20,18 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable, Sequence
-from itertools import chain
 from typing import Any, TypeVar
 
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.storage import sqlite_group
 from app.storage.engine import ChangeDb
 from app.storage.errors import DuplicateChangeError
+from app.storage.sqlite_group import SqliteStatements
 
 Row = tuple[str, int, str, str | None]
 _T = TypeVar("_T")
-
-# Rows per SQLite INSERT statement, at most. sqlite3 releases and re-takes the
-# GIL around every statement step; with one row per step, a busy event loop
-# thread makes each re-take wait for the GIL switch interval, and a 2,000-row
-# append took seconds under load (the convoy effect). Many rows per step avoid
-# that, which is also why the largest statement is big: the storer writes
-# 10,000-row groups when it is behind, and 256-row statements made it fall
-# further behind (bench.fanout, session 6). A group of n rows is written with
-# statements of 2048, 1024, ..., 2, 1 rows (n's binary digits below 2048): a
-# handful of steps and only twelve statement texts, all in sqlite3's statement
-# cache. One statement of exactly n rows (as before) had to be prepared anew for
-# almost every group, since group sizes vary, and preparing a many-row VALUES list
-# cost about as much as inserting its rows (`python -m bench.storage --tx-sizes
-# 1-9 --groups varied`, docs/benchmarks.md, session 6).
-SQLITE_ROWS_PER_STATEMENT = 2048
 
 
 class FastPath:
@@ -62,13 +48,8 @@ class FastPath:
         else:
             self._insert = f"INSERT INTO {table} ({columns}) VALUES "
             p = "?"
-        # SQLite's multi-row INSERTs by row count: SQLITE_ROWS_PER_STATEMENT and
-        # the powers of two below it.
-        self._inserts: dict[int, str] = {}
-        n = SQLITE_ROWS_PER_STATEMENT if db.dialect == "sqlite" else 0
-        while n >= 1:
-            self._inserts[n] = self._insert + ",".join(["(?,?,?,?)"] * n)
-            n //= 2
+        if db.dialect == "sqlite":
+            self._sqlite = SqliteStatements.for_tables(table, state)
         # The change column is read as text so the driver never parses it.
         select = f'SELECT "watermark", "pos", "change"::text, "precommit" FROM {table}'
         if db.dialect == "sqlite":
@@ -143,31 +124,10 @@ class FastPath:
     def _commit_rows_sqlite(
         self, sq: sqlite3.Connection, owner: str, rows: Sequence[Row], last_watermark: str
     ) -> str | None:
-        sq.execute("BEGIN IMMEDIATE")
-        try:
-            row = sq.execute(self._select_owner).fetchone()
-            current: str | None = None if row is None else row[0]
-            if current == owner:
-                self._insert_sqlite(sq, rows)
-                sq.execute(self._set_head, (last_watermark,))
-                sq.commit()
-                return current
-        except BaseException:
-            sq.rollback()
-            raise
-        sq.rollback()
-        return current
+        return sqlite_group.commit_rows(sq, self._sqlite, owner, rows, last_watermark)
 
     def _insert_sqlite(self, sq: sqlite3.Connection, rows: Sequence[Row]) -> None:
-        """Runs in the driver's thread: full statements, then the rest by halves."""
-        start, total, n = 0, len(rows), SQLITE_ROWS_PER_STATEMENT
-        while start < total:
-            while n > total - start:
-                n //= 2
-            end = start + (total - start) // n * n
-            params = [list(chain.from_iterable(rows[i : i + n])) for i in range(start, end, n)]
-            sq.executemany(self._inserts[n], params)
-            start = end
+        sqlite_group.insert_rows(sq, self._sqlite, rows)
 
     async def read_first(
         self, conn: AsyncConnection, from_watermark: str, up_to: str, limit: int
@@ -205,6 +165,4 @@ async def _in_driver_thread(driver: Any, fn: Callable[..., _T], *args: Any) -> _
 
 
 def _duplicate(e: Exception) -> DuplicateChangeError:
-    detail = " ".join(str(e).split())
-    message = f"a change is already stored at the same (watermark, pos): {detail}"
-    return DuplicateChangeError(message)
+    return DuplicateChangeError.from_driver(str(e))

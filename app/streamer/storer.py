@@ -370,6 +370,7 @@ class Storer:
             self._made_durable(group)
 
         try:
+            await self._log.start_writer()
             # Rows of a big transaction are in the open database transaction.
             chunked_open = False
             stopping = False

@@ -1,4 +1,7 @@
-"""Change DB fixtures: every storage test runs on SQLite and on real Postgres."""
+"""Change DB fixtures: every storage test runs on SQLite and on real Postgres.
+
+SQLite runs twice: with group commits in the writer process (the default) and in
+aiosqlite's thread (``ChangeDbOptions(sqlite_writer="thread")``)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from app.storage import ChangeDb, Shard, create_change_db, migrate, parse_change_db_url
+from app.storage import (
+    ChangeDb,
+    ChangeDbOptions,
+    Shard,
+    create_change_db,
+    migrate,
+    parse_change_db_url,
+)
 
 _shards = itertools.count()
 
@@ -28,11 +38,14 @@ async def drop_schema(db: ChangeDb) -> None:
 
 def make_db(backend: str, tmp_path: Path, pg_url: str) -> ChangeDb:
     shard = unique_shard()
-    url = str(tmp_path / f"{shard.name}-cdc.db") if backend == "sqlite" else pg_url
-    return create_change_db(parse_change_db_url(url), shard)
+    if backend == "postgres":
+        return create_change_db(parse_change_db_url(pg_url), shard)
+    url = str(tmp_path / f"{shard.name}-cdc.db")
+    writer = "thread" if backend == "sqlite-thread" else "process"
+    return create_change_db(parse_change_db_url(url), shard, ChangeDbOptions(sqlite_writer=writer))
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", "sqlite-thread", "postgres"])
 async def empty_db(
     request: pytest.FixtureRequest, tmp_path: Path, pg_url: str
 ) -> AsyncIterator[ChangeDb]:

@@ -1,0 +1,221 @@
+"""A SQLite group commit on a plain ``sqlite3`` connection, and the writer process.
+
+This module imports only the standard library: it is also the program of the
+SQLite writer process (``app.storage.sqlite_writer`` starts it by path, with
+``python -I``), which must start in milliseconds and never load the service.
+
+``commit_rows`` is one write transaction of plain rows: ``BEGIN IMMEDIATE``,
+the ownership check, the inserts, ``lastWatermark``, commit. It runs either in
+aiosqlite's thread (``ChangeDbOptions.sqlite_writer = "thread"``) or in the
+writer process (``"process"``, the default), where its Python work — flattening
+and binding four parameters per row — no longer takes the GIL from the event
+loop, and SQLite's own work runs on another core.
+
+The writer process speaks frames over a socketpair: an 8-byte little-endian
+length, then a pickle (both ends are this module's code; nothing else can reach
+the socket). The parent sends ``("commit_rows", owner, rows, last_watermark)``;
+the child answers ``("ok", owner_found)`` or ``("error", sqlite3 class name,
+message)``. Its first frame is ``("ready",)`` once the database is open, or an
+error. It exits when the parent closes its end (end of file), after finishing the
+transaction in hand: a parent killed mid-commit leaves a transaction that is
+either whole or absent, as SQLite guarantees.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import signal
+import socket
+import sqlite3
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+
+__all__ = [
+    "FRAME_HEADER",
+    "SqliteStatements",
+    "commit_rows",
+    "insert_rows",
+    "read_frame",
+    "write_frame",
+]
+
+Row = tuple[str, int, str, str | None]
+
+# Rows per INSERT statement, at most. sqlite3 releases and re-takes the GIL
+# around every statement step; with one row per step, a busy event loop thread
+# makes each re-take wait for the GIL switch interval, and a 2,000-row append
+# took seconds under load (the convoy effect). Many rows per step avoid that,
+# which is also why the largest statement is big: the storer writes 10,000-row
+# groups when it is behind, and 256-row statements made it fall further behind
+# (bench.fanout, session 6). A group of n rows is written with statements of
+# 2048, 1024, ..., 2, 1 rows (n's binary digits below 2048): a handful of steps
+# and only twelve statement texts, all in sqlite3's statement cache. One
+# statement of exactly n rows (as before) had to be prepared anew for almost
+# every group, since group sizes vary, and preparing a many-row VALUES list cost
+# about as much as inserting its rows (`python -m bench.storage --tx-sizes 1-9
+# --groups varied`, docs/benchmarks.md, session 6).
+ROWS_PER_STATEMENT = 2048
+
+# Every frame: this 8-byte little-endian length, then a pickle of that length.
+FRAME_HEADER = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class SqliteStatements:
+    """The SQL of a group commit for one change DB's tables."""
+
+    select_owner: str
+    set_head: str
+    insert_prefix: str  # 'INSERT INTO … VALUES '
+    # INSERT statements by row count: ROWS_PER_STATEMENT and the powers of two below.
+    inserts: dict[int, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        inserts: dict[int, str] = {}
+        n = ROWS_PER_STATEMENT
+        while n >= 1:
+            inserts[n] = self.insert_prefix + ",".join(["(?,?,?,?)"] * n)
+            n //= 2
+        object.__setattr__(self, "inserts", inserts)
+
+    @classmethod
+    def for_tables(cls, change_log: str, replication_state: str) -> SqliteStatements:
+        """For quoted table names, as ``ChangeDb.table_name`` gives them."""
+        return cls(
+            select_owner=f'SELECT "owner" FROM {replication_state}',
+            set_head=f'UPDATE {replication_state} SET "lastWatermark" = ?',
+            insert_prefix=(
+                f'INSERT INTO {change_log} ("watermark", "pos", "change", "precommit") VALUES '
+            ),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps([self.select_owner, self.set_head, self.insert_prefix])
+
+    @classmethod
+    def from_json(cls, text: str) -> SqliteStatements:
+        select_owner, set_head, insert_prefix = json.loads(text)
+        return cls(select_owner, set_head, insert_prefix)
+
+
+def insert_rows(sq: sqlite3.Connection, statements: SqliteStatements, rows: Sequence[Row]) -> None:
+    """Full statements, then the rest by halves."""
+    start, total, n = 0, len(rows), ROWS_PER_STATEMENT
+    while start < total:
+        while n > total - start:
+            n //= 2
+        end = start + (total - start) // n * n
+        params = [list(chain.from_iterable(rows[i : i + n])) for i in range(start, end, n)]
+        sq.executemany(statements.inserts[n], params)
+        start = end
+
+
+def commit_rows(
+    sq: sqlite3.Connection,
+    statements: SqliteStatements,
+    owner: str,
+    rows: Sequence[Row],
+    last_watermark: str,
+) -> str | None:
+    """One write transaction; writes nothing unless ``owner`` still owns the log.
+    Returns the owner found. ``sq`` must be in autocommit mode (isolation_level None)."""
+    sq.execute("BEGIN IMMEDIATE")
+    try:
+        row = sq.execute(statements.select_owner).fetchone()
+        current: str | None = None if row is None else row[0]
+        if current == owner:
+            insert_rows(sq, statements, rows)
+            sq.execute(statements.set_head, (last_watermark,))
+            sq.commit()
+            return current
+    except BaseException:
+        sq.rollback()
+        raise
+    sq.rollback()
+    return current
+
+
+def write_frame(sock: socket.socket, value: object) -> None:
+    data = pickle.dumps(value, protocol=5)
+    sock.sendall(FRAME_HEADER.pack(len(data)) + data)
+
+
+def read_frame(sock: socket.socket) -> object | None:
+    """The next frame's value, or None at end of file."""
+    head = _read_exactly(sock, FRAME_HEADER.size)
+    if head is None:
+        return None
+    (size,) = FRAME_HEADER.unpack(head)
+    data = _read_exactly(sock, size)
+    if data is None:
+        return None
+    value: object = pickle.loads(data)
+    return value
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return None
+        got += n
+    return bytes(buf)
+
+
+def connect(path: str, synchronous: str, busy_timeout_ms: int) -> sqlite3.Connection:
+    """A writer connection configured as the service's engines configure theirs."""
+    sq = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    sq.execute("PRAGMA journal_mode=WAL")
+    sq.execute(f"PRAGMA synchronous={synchronous}")
+    sq.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+    return sq
+
+
+def serve(sock: socket.socket, path: str, synchronous: str, busy_timeout_ms: int, sql: str) -> int:
+    """The writer process: commits what the parent sends until it hangs up."""
+    try:
+        sq = connect(path, synchronous, busy_timeout_ms)
+        statements = SqliteStatements.from_json(sql)
+    except sqlite3.Error as e:
+        write_frame(sock, ("error", type(e).__name__, str(e)))
+        return 1
+    write_frame(sock, ("ready",))
+    with sq:
+        while True:
+            request = read_frame(sock)
+            if request is None:
+                return 0
+            if not (
+                isinstance(request, tuple) and len(request) == 4 and request[0] == "commit_rows"
+            ):
+                write_frame(sock, ("error", "ProgrammingError", f"unknown request {request!r}"))
+                continue
+            _, owner, rows, last_watermark = request
+            try:
+                reply: tuple[object, ...] = (
+                    "ok",
+                    commit_rows(sq, statements, owner, rows, last_watermark),
+                )
+            except sqlite3.Error as e:
+                reply = ("error", type(e).__name__, str(e))
+            write_frame(sock, reply)
+
+
+def main(argv: list[str]) -> int:
+    # Ctrl-C reaches the whole process group; the parent decides when we stop
+    # (it hangs up), so a commit in hand is never cut short by the signal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fd, path, synchronous, busy_timeout_ms, sql = argv
+    with socket.socket(fileno=int(fd)) as sock:
+        return serve(sock, path, synchronous, int(busy_timeout_ms), sql)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,194 @@
+"""SQLite's writer process: group commits in a process of their own.
+
+Every test here kills or cancels only the writer process it started itself. The
+ordinary behaviour of ``commit_rows`` (rows, head, ownership, duplicates) is in
+test_changelog.py, which runs with the process and with the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from app.storage import ChangeDb, ChangeLog, ChangeRow, Replication, SubscriptionState
+from app.storage.sqlite_group import SqliteStatements
+from app.storage.sqlite_writer import SqliteWriterError, SqliteWriterProcess
+
+OWNER = "task-a"
+
+
+def tx(watermark: str, changes: int) -> list[ChangeRow]:
+    rows = [ChangeRow(watermark, 0, '{"tag":"begin"}')]
+    rows += [ChangeRow(watermark, i, f'{{"tag":"insert","n":{i}}}') for i in range(1, changes + 1)]
+    rows.append(ChangeRow(watermark, changes + 1, '{"tag":"commit"}', watermark))
+    return rows
+
+
+@pytest.fixture
+async def log(sqlite_db: ChangeDb) -> ChangeLog:
+    replication = Replication(sqlite_db)
+    await replication.ensure_config(SubscriptionState("01", ("pub",), "01"), auto_reset=False)
+    await replication.assume_ownership(OWNER, "127.0.0.1:4849")
+    return ChangeLog(sqlite_db)
+
+
+def writer(log: ChangeLog) -> SqliteWriterProcess:
+    w = log.db.sqlite_writer
+    assert w is not None
+    return w
+
+
+async def stored(log: ChangeLog) -> list[tuple[str, int]]:
+    out: list[tuple[str, int]] = []
+    async for batch in log.read("00", "zz"):
+        out.extend((r[0], r[1]) for r in batch)
+    return out
+
+
+async def wait_gone(pid: int) -> None:
+    """Until the process no longer exists (asyncio's child watcher reaps it)."""
+    for _ in range(200):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"process {pid} still exists")
+
+
+async def test_commits_run_in_one_process_that_close_ends(log: ChangeLog) -> None:
+    await log.commit_rows(OWNER, tx("02", 3), "02")
+    await log.commit_rows(OWNER, tx("03", 1), "03")
+    w = writer(log)
+    pid = w.pid
+    assert pid is not None
+    assert pid != os.getpid()
+    assert w.starts == 1
+    assert [k for k in await stored(log) if k[0] != "01"] == [
+        *(("02", p) for p in range(5)),
+        *(("03", p) for p in range(3)),
+    ]
+    await log.db.sqlite_writer.close()  # type: ignore[union-attr]
+    assert w.pid is None
+    await wait_gone(pid)
+
+
+async def test_a_killed_writer_loses_nothing_and_the_next_commit_restarts_it(
+    log: ChangeLog,
+) -> None:
+    await log.commit_rows(OWNER, tx("02", 2), "02")
+    w = writer(log)
+    pid = w.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    await wait_gone(pid)
+    # The first commit after the kill either finds the process gone (and starts a
+    # new one) or meets its closed socket and fails, storing nothing; a retry,
+    # as the service makes, succeeds. Either way 03 is stored once.
+    try:
+        await log.commit_rows(OWNER, tx("03", 2), "03")
+    except SqliteWriterError:
+        await log.commit_rows(OWNER, tx("03", 2), "03")
+    assert w.starts == 2
+    assert w.pid not in (None, pid)
+    keys = [k for k in await stored(log) if k[0] != "01"]
+    assert keys == [*(("02", p) for p in range(4)), *(("03", p) for p in range(4))]
+    state = await Replication(log.db).state()
+    assert state is not None
+    assert state.last_watermark == "03"
+
+
+async def test_a_commit_cancelled_in_flight_does_not_confuse_the_next_one(
+    log: ChangeLog,
+) -> None:
+    big = [row for n in range(2, 40) for row in tx(f"02{n:04d}", 200)]
+    await log.start_writer()
+    task = asyncio.ensure_future(log.commit_rows(OWNER, big, "020039"))
+    await asyncio.sleep(0)  # the request is written; the reply is pending
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # The cancelled commit's process was stopped: whatever it did is whole or
+    # absent, and its late reply is never read as the next commit's.
+    await log.commit_rows(OWNER, tx("03", 1), "03")
+    keys = [k for k in await stored(log) if k[0] != "01"]
+    assert keys[-3:] == [("03", 0), ("03", 1), ("03", 2)]
+    assert len(keys) in (3, len(big) + 3)
+    assert writer(log).starts == 2
+
+
+async def test_a_start_cancelled_midway_leaves_nothing_behind(log: ChangeLog) -> None:
+    w = writer(log)
+    for delay in (0, 0.001, 0.003):  # all shorter than a Python start-up
+        task = asyncio.ensure_future(w.start())
+        await asyncio.sleep(delay)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert w.pid is None
+    # Sockets are closed (the ResourceWarning check would fail the test) and
+    # the next commit starts a working process.
+    await log.commit_rows(OWNER, tx("02", 1), "02")
+    assert ("02", 2) in await stored(log)
+
+
+async def test_a_file_the_process_cannot_open_is_a_clear_error(tmp_path: Path) -> None:
+    w = SqliteWriterProcess(
+        str(tmp_path / "missing" / "cdc.db"),
+        SqliteStatements.for_tables('"changeLog"', '"replicationState"'),
+        synchronous="FULL",
+        busy_timeout_ms=1000,
+    )
+    with pytest.raises(sqlite3.OperationalError, match="unable to open database file"):
+        await w.start()
+    assert w.pid is None
+    await w.close()
+
+
+async def test_a_missing_table_comes_back_as_the_sqlite_error(tmp_path: Path) -> None:
+    path = tmp_path / "empty.db"
+    sqlite3.connect(path).close()
+    w = SqliteWriterProcess(
+        str(path),
+        SqliteStatements.for_tables('"changeLog"', '"replicationState"'),
+        synchronous="FULL",
+        busy_timeout_ms=1000,
+    )
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="no such table: replicationState"):
+            await w.commit_rows(OWNER, tx("02", 1), "02")
+        # An error answered in-band keeps the process: it serves the next request.
+        assert w.pid is not None
+        assert w.starts == 1
+    finally:
+        await w.close()
+
+
+async def test_a_commit_that_takes_too_long_stops_the_process(log: ChangeLog) -> None:
+    w = SqliteWriterProcess(
+        str(log.db.url.database),
+        SqliteStatements.for_tables('"changeLog"', '"replicationState"'),
+        synchronous="FULL",
+        busy_timeout_ms=5000,
+        commit_timeout_s=0.2,
+    )
+    blocker = sqlite3.connect(str(log.db.url.database), isolation_level=None)
+    try:
+        await w.start()
+        pid = w.pid
+        assert pid is not None
+        blocker.execute("BEGIN IMMEDIATE")  # holds the write lock: the commit waits
+        with pytest.raises(SqliteWriterError, match="did not commit within"):
+            await w.commit_rows(OWNER, tx("02", 1), "02")
+        assert w.pid is None
+        blocker.execute("ROLLBACK")
+        await wait_gone(pid)
+    finally:
+        blocker.close()
+        await w.close()
+    assert ("02", 0) not in await stored(log)
