@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import pickle
+import marshal
 import socket
 import sqlite3
 import sys
@@ -37,7 +37,7 @@ from typing import Final
 
 from app.storage import sqlite_group
 from app.storage.errors import DuplicateChangeError, StorageError
-from app.storage.sqlite_group import Row, SqliteStatements
+from app.storage.sqlite_group import Row, SqliteStatements, encode_frame
 
 __all__ = ["SqliteWriterError", "SqliteWriterProcess"]
 
@@ -85,15 +85,16 @@ class SqliteWriterProcess:
 
     async def commit_rows(self, owner: str, rows: Sequence[Row], last_watermark: str) -> str | None:
         """``sqlite_group.commit_rows`` in the writer process; returns the owner found."""
-        # Plain tuples pickle without naming a class the child would have to import.
-        if set(map(type, rows)) - {tuple}:
-            rows = [tuple(r) for r in rows]  # type: ignore[misc]
-        request = pickle.dumps(("commit_rows", owner, rows, last_watermark), protocol=5)
+        try:
+            request = encode_frame(("commit_rows", owner, rows, last_watermark))
+        except ValueError:  # rows that are NamedTuples (ChangeRow): marshal takes plain ones
+            plain = [tuple(r) for r in rows]
+            request = encode_frame(("commit_rows", owner, plain, last_watermark))
         self._follow_loop()
         async with self._lock:
             reader, writer = await self._started()
             try:
-                writer.write(_LENGTH.pack(len(request)) + request)
+                writer.write(request)
                 reply = await asyncio.wait_for(_read_frame(reader), self._commit_timeout_s)
             except TimeoutError:
                 await self._discard(kill=True)
@@ -210,7 +211,8 @@ async def _read_frame(reader: asyncio.StreamReader) -> object:
     try:
         head = await reader.readexactly(_LENGTH.size)
         (size,) = _LENGTH.unpack(head)
-        return pickle.loads(await reader.readexactly(size))
+        value: object = marshal.loads(await reader.readexactly(size))
+        return value
     except asyncio.IncompleteReadError as e:
         raise SqliteWriterError("the SQLite writer process exited") from e
 
