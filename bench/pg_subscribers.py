@@ -43,6 +43,11 @@ from typing import Any
 
 import orjson
 
+try:  # the frame loop in C (bench/_rawscan.c, built by scripts/build-speedups)
+    from bench._rawscan import scan_acks
+except ImportError:  # pragma: no cover - no compiler: the Python loop below
+    scan_acks = None
+
 _MSG = b',"msg":["'
 # A change-streamer that falls silent for this long mid-run has stalled: fail
 # instead of waiting for the global timeout.
@@ -138,14 +143,33 @@ class RawSocket:
         """Per socket read: acks every text message (all acks in one write) and
         yields how many there were and the last one. For clients that only count
         (``bench.ws_subscribers``): no copy of each payload, ~2.5× less CPU per
-        frame than ``messages`` plus per-message acks."""
+        frame than ``messages`` plus per-message acks; with ``bench/_rawscan.c``
+        compiled, the common frames are scanned and acked in C."""
         while True:
             await self._read()
-            ids: list[bytes] = []
-            last = self._scan(ids, ids_only=True)
-            if ids:
-                self._writer.write(b"".join([_ack_prefix(len(i)) + i + b"}" for i in ids]))
-                yield len(ids), last
+            acks, count, last = self.take_acks()
+            if count:
+                self._writer.write(acks)
+                yield count, last
+
+    def take_acks(self) -> tuple[bytes, int, bytes]:
+        """The ack frames for the whole text messages in the buffer, how many, and
+        the last message; control frames are handled as ``_scan`` handles them."""
+        acks, count, last = b"", 0, b""
+        if scan_acks is not None:
+            pos, acks, count, start, end, stuck = scan_acks(self._buf, self._pos)
+            if count:
+                last = self._buf[start:end]
+            self._pos = pos
+            if not stuck:
+                return acks, count, last
+        ids: list[bytes] = []
+        rest_last = self._scan(ids, ids_only=True)
+        if ids:
+            acks += b"".join([_ack_prefix(len(i)) + i + b"}" for i in ids])
+            count += len(ids)
+            last = rest_last
+        return acks, count, last
 
     async def _read(self) -> None:
         """Appends the next socket read to the unparsed rest of the buffer."""
