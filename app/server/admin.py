@@ -343,10 +343,13 @@ def _running(service: ChangeStreamerService | None) -> ChangeStreamerService:
 
 async def _change_log_stats(service: ChangeStreamerService | None) -> dict[str, Any]:
     change_log = _running(service).change_log
+    writer = change_log.db.sqlite_writer
     return {
         "rows": await change_log.count(),
         "minWatermark": await change_log.min_watermark(),
         "maxWatermark": await change_log.max_watermark(),
+        # SQLite's group commits: their process (None: in the service itself).
+        "writerProcess": None if writer is None else {"pid": writer.pid, "starts": writer.starts},
     }
 
 

@@ -204,7 +204,12 @@ async def test_statz_text_has_a_section_per_group_with_key_value_lines(
     headings = re.findall(r"^=== (\w+) ===$", reply.text, re.MULTILINE)
     assert headings == ["changeLog", "replication", "os"]
     change_log = reply.text.split("=== changeLog ===\n")[1].split("\n\n")[0]
-    assert change_log.splitlines() == ["rows: 2", "minWatermark: 01", "maxWatermark: 01"]
+    assert change_log.splitlines() == [
+        "rows: 2",
+        "minWatermark: 01",
+        "maxWatermark: 01",
+        'writerProcess: {"pid":null,"starts":0}',
+    ]
     assert "\nlastWatermark: 01\n" in reply.text
     assert '\nsubscribers: {"active":0,"queued":0}\n' in reply.text
 
@@ -229,7 +234,10 @@ async def test_statz_json_holds_the_change_streamer_groups(
     assert b"\n" not in reply.body  # compact unless pretty
     stats = reply.json()
     assert list(stats) == ["changeLog", "replication", "os"]
+    writer = stats["changeLog"].pop("writerProcess")
     assert stats["changeLog"] == {"rows": 2, "minWatermark": "01", "maxWatermark": "01"}
+    # The SQLite writer process starts with the storer; this service never streamed.
+    assert writer == {"pid": None, "starts": 0}
     replication = stats["replication"]
     assert replication["lastWatermark"] == "01"
     assert replication["replicaVersion"] == REPLICA_VERSION
