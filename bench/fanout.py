@@ -358,23 +358,6 @@ async def run_ws(
     }
 
 
-def machine_speed() -> float:
-    """Millions of iterations per second of a fixed pure-Python loop on one core.
-
-    This shared VM runs up to ~1.8x faster in some minutes than in others; the
-    figure, printed before and after the scenarios, says which kind of minutes a
-    run had, so runs from different times can be told apart."""
-    best = 0.0
-    for _ in range(3):
-        n, table = 0, dict.fromkeys(range(1024), 0)
-        start = time.perf_counter()
-        for i in range(300_000):
-            table[i & 1023] = i
-            n += table[(i * 7) & 1023]
-        best = max(best, 300_000 / (time.perf_counter() - start) / 1e6)
-    return best
-
-
 def _cpu(start: resource.struct_rusage, end: resource.struct_rusage) -> float:
     return end.ru_utime + end.ru_stime - start.ru_utime - start.ru_stime
 
@@ -402,7 +385,6 @@ async def main() -> None:
     tune_for_streaming()
     ks = [int(k) for k in args.ks.split(",")]
     framings = args.frames.split(",")
-    print(f"machine speed before: {machine_speed():.1f} M loop iterations/s", flush=True)
 
     if "throughput" in scenarios:
         print(
@@ -452,8 +434,6 @@ async def main() -> None:
             f"({slow / base:.0%} of healthy)",
             flush=True,
         )
-
-    print(f"machine speed after: {machine_speed():.1f} M loop iterations/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -40,9 +40,10 @@ Scenarios:
   the commit's upstream commit time (``commitTime``, µs, from pgoutput; same host
   clock).
 
-Memory: peak of the summed VmRSS of the service's process tree (ours: one Python
-process; the reference: node and its forked workers), sampled every 100 ms, kept
-separately for the initial sync and the streaming phases. CPU: the service's and
+Memory: peak of the summed VmRSS of the service's process tree (ours: the Python
+process and its SQLite writer process; the reference: node and its forked
+workers), sampled every 100 ms, kept separately for the initial sync and the
+streaming phases. CPU: the service's and
 the subscriber process's CPU seconds per throughput point, to show contention.
 
 Clean-up: the services are stopped by PID (SIGTERM, then SIGKILL for any process
