@@ -109,6 +109,22 @@ class Service:
             out += [(w, p) for w, p, _, _ in batch]
         return out
 
+    async def live(self, ds: Downstream, *, ack: bool = True) -> None:
+        """Takes the initial status and waits until the subscriber is past catch-up:
+        from here on the stream reaches it directly, in order, flow control
+        included. (Before that, live changes wait in its backlog and a lag report
+        only shapes the initial status, so tests of the live path must wait.)"""
+        first = loads(await asyncio.wait_for(ds.get(), 10))
+        assert first[0] == "status", first
+        if ack:
+            ds.ack_next()
+        for _ in range(1000):
+            subs = [*self.service.forwarder.active, *self.service.forwarder.queued]
+            if subs and not any(sub.backlogged for sub in subs):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the subscriber did not leave catch-up within 10 s")
+
     async def stop(self) -> None:
         await self.service.stop()
         await asyncio.wait_for(asyncio.gather(self.run, return_exceptions=True), 10)
@@ -287,8 +303,9 @@ async def test_an_upstream_ending_at_a_commit_checkpoint_sends_no_rollback(svc: 
     assert carried < FLUSH_THRESHOLD <= carried + commit_len
     ds = svc.subscribe(REPLICA_VERSION)  # it reads but never acks: the wait holds
     stream = await svc.stream()
+    await svc.live(ds, ack=False)
     stream.push_all([*txn("02", first), *txn("03", big)])
-    received = []
+    received = ["status"]
     while len(received) < 7:
         text = await asyncio.wait_for(ds.get(), 10)
         received.append(loads(text)[0])
@@ -316,6 +333,7 @@ async def test_a_subscriber_that_never_acks_holds_the_loop_within_two_checkpoint
     row_len = len(dumps(row))
     ds = svc.subscribe(REPLICA_VERSION)  # reads, acks nothing yet
     stream = await svc.stream()
+    await svc.live(ds, ack=False)
     stream.push_all(txn("02", *[row] * 200))  # ~3 checkpoints' worth
     for _ in range(1000):
         if svc.service.forwarder.current is not None:  # the loop waits
@@ -325,11 +343,11 @@ async def test_a_subscriber_that_never_acks_holds_the_loop_within_two_checkpoint
     sent = []
     while (text := ds.get_nowait()) is not None:
         sent.append(text)
-    forwarded = sum(len(t) for t in sent[1:])  # after the initial status
+    forwarded = sum(len(t) for t in sent)  # the initial status was taken before
     # Pipelined one deep: the second checkpoint went out, the third did not.
     assert 2 * FLUSH_THRESHOLD - row_len <= forwarded < 2 * FLUSH_THRESHOLD + row_len
-    ds.ack_many(len(sent))
-    while len(sent) < 1 + 202:
+    ds.ack_many(1 + len(sent))  # the initial status, then what was sent
+    while len(sent) < 202:
         sent.append(await asyncio.wait_for(ds.get(), 10))
         ds.ack_next()
     assert loads(sent[-1])[0] == "commit"
@@ -430,6 +448,7 @@ async def test_a_backup_subscriber_behind_the_log_requires_a_reset(svc: Service)
 async def test_lag_reports_are_forwarded_to_live_subscribers(svc: Service) -> None:
     ds = svc.subscribe(REPLICA_VERSION)
     stream = await svc.stream()
+    await svc.live(ds)
     report = {
         "lastTimings": {"sendTimeMs": 150, "commitTimeMs": 151, "receiveTimeMs": 152},
         "nextSendTimeMs": 234,
@@ -437,7 +456,8 @@ async def test_lag_reports_are_forwarded_to_live_subscribers(svc: Service) -> No
     stream.push_all(
         [*txn("02"), ["status", {"ack": False, "lagReport": report}, {"watermark": "03"}]]
     )
-    msgs = await collect(ds, 5)
+    msgs = await collect(ds, 4)
+    assert [m[0] for m in msgs] == ["begin", "data", "commit", "status"]  # type: ignore[index]
     assert msgs[-1] == ["status", {"tag": "status", "lagReport": report}]
 
 
@@ -445,6 +465,7 @@ async def test_a_lag_report_inside_a_batch_keeps_its_place_in_the_stream(svc: Se
     """Changes are forwarded a batch at a time; a status between them is not reordered."""
     ds = svc.subscribe(REPLICA_VERSION)
     stream = await svc.stream()
+    await svc.live(ds)
     report = {
         "lastTimings": {"sendTimeMs": 1, "commitTimeMs": 2, "receiveTimeMs": 3},
         "nextSendTimeMs": 4,
@@ -452,12 +473,12 @@ async def test_a_lag_report_inside_a_batch_keeps_its_place_in_the_stream(svc: Se
     first, second = txn("02", insert(1), insert(2)), txn("03")
     status = ["status", {"ack": False, "lagReport": report}, {"watermark": "02"}]
     stream.push_all([*first[:2], status, *first[2:], *second])
-    msgs = await collect(ds, 1 + 4 + 1 + 3)
+    msgs = await collect(ds, 4 + 1 + 3)
     assert [m[0] for m in msgs] == [  # type: ignore[index]
-        *["status", "begin", "data", "status", "data", "commit"],
+        *["begin", "data", "status", "data", "commit"],
         *["begin", "data", "commit"],
     ]
-    assert msgs[3] == ["status", {"tag": "status", "lagReport": report}]
+    assert msgs[2] == ["status", {"tag": "status", "lagReport": report}]
 
 
 # -- purge, reservations, back pressure (core.md §7 items 8, 9, 17, 18, 29) ----
