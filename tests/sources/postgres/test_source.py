@@ -227,14 +227,19 @@ async def test_truncate_carries_its_options(upstream: tuple[str, str]) -> None:
         await stream.close()
 
 
-async def confirmed_flush(url: str) -> str:
+async def slot_column(url: str, column: str) -> Any:
+    """One column of the test slot's row in pg_replication_slots."""
     async with await psycopg.AsyncConnection.connect(url) as c:
         cur = await c.execute(
-            "SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)
+            f"SELECT {column} FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)
         )
         row = await cur.fetchone()
         assert row is not None
-        return lsn_to_watermark(str(row[0]))
+        return row[0]
+
+
+async def confirmed_flush(url: str) -> str:
+    return lsn_to_watermark(str(await slot_column(url, "confirmed_flush_lsn")))
 
 
 async def test_ack_moves_the_slot_and_restart_resumes_after_it(upstream: tuple[str, str]) -> None:
@@ -291,13 +296,7 @@ async def test_close_right_after_an_ack_ends_the_stream(upstream: tuple[str, str
 
 
 async def slot_active(url: str) -> bool:
-    async with await psycopg.AsyncConnection.connect(url) as c:
-        cur = await c.execute(
-            "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)
-        )
-        row = await cur.fetchone()
-        assert row is not None
-        return bool(row[0])
+    return bool(await slot_column(url, "active"))
 
 
 async def test_keepalives_become_ack_statuses_and_our_keepalives_hold_the_connection(
