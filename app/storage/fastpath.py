@@ -41,15 +41,18 @@ class FastPath:
         self._dialect = db.dialect
         state = db.table_name("replicationState")
         table = db.table_name("changeLog")
-        columns = '"watermark", "pos", "change", "precommit"'
         if db.dialect == "postgresql":
+            columns = '"watermark", "pos", "change", "precommit"'
             self._insert = f"COPY {table} ({columns}) FROM STDIN"
+            self._select_owner = f'SELECT "owner" FROM {state} FOR UPDATE'
+            self._set_head = f'UPDATE {state} SET "lastWatermark" = %s'
             p = "%s"
         else:
-            self._insert = f"INSERT INTO {table} ({columns}) VALUES "
-            p = "?"
-        if db.dialect == "sqlite":
+            # The group commit's statements, shared with the writer process.
             self._sqlite = SqliteStatements.for_tables(table, state)
+            self._select_owner = self._sqlite.select_owner
+            self._set_head = self._sqlite.set_head
+            p = "?"
         # The change column is read as text so the driver never parses it.
         select = f'SELECT "watermark", "pos", "change"::text, "precommit" FROM {table}'
         if db.dialect == "sqlite":
@@ -59,9 +62,6 @@ class FastPath:
         self._read_next = (
             f'{select} WHERE ("watermark", "pos") > ({p}, {p}) AND "watermark" <= {p} {order}'
         )
-        lock = " FOR UPDATE" if db.dialect == "postgresql" else ""
-        self._select_owner = f'SELECT "owner" FROM {state}{lock}'
-        self._set_head = f'UPDATE {state} SET "lastWatermark" = {p}'
 
     async def begin_write(self, conn: AsyncConnection) -> str | None:
         """Opens the write transaction and returns the owner, whose row it now locks."""

@@ -12,13 +12,12 @@ database transaction — stays on the in-process engines, and SQLite's locks
 has both open at once.
 
 The process is started when the storer starts (or on first use) and restarted
-on the next use after it failed: a commit that times out, a process that exits,
+on the next use after it failed. A commit that times out, a process that exits,
 a request cancelled mid-way (its reply would otherwise be read as the next
-one's) all end the process — killed at once: SQLite keeps a transaction whole
-or not at all —, and the request raises ``SqliteWriterError`` (or the
-cancellation), a ``StorageError`` the
-service retries with backoff like any other storage failure. Waits are
-bounded: the start-up by ``start_timeout_s``, each commit by
+one's) all end the process, killed at once (SQLite keeps a transaction whole or
+not at all), and the request raises ``SqliteWriterError`` (or the cancellation):
+a ``StorageError`` the service retries with backoff like any other storage
+failure. Waits are bounded: the start-up by ``start_timeout_s``, each commit by
 ``commit_timeout_s``.
 """
 
@@ -37,14 +36,13 @@ from typing import Final
 
 from app.storage import sqlite_group
 from app.storage.errors import DuplicateChangeError, StorageError
-from app.storage.sqlite_group import Row, SqliteStatements, encode_frame
+from app.storage.sqlite_group import FRAME_HEADER, Row, SqliteStatements, encode_frame
 
 __all__ = ["SqliteWriterError", "SqliteWriterProcess"]
 
 log = logging.getLogger(__name__)
 
 _PROGRAM: Final = str(Path(sqlite_group.__file__).resolve())
-_LENGTH = sqlite_group.FRAME_HEADER
 STOP_TIMEOUT_S: Final = 5.0
 
 
@@ -209,8 +207,8 @@ class SqliteWriterProcess:
 
 async def _read_frame(reader: asyncio.StreamReader) -> object:
     try:
-        head = await reader.readexactly(_LENGTH.size)
-        (size,) = _LENGTH.unpack(head)
+        head = await reader.readexactly(FRAME_HEADER.size)
+        (size,) = FRAME_HEADER.unpack(head)
         value: object = marshal.loads(await reader.readexactly(size))
         return value
     except asyncio.IncompleteReadError as e:
