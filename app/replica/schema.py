@@ -31,6 +31,9 @@ older one.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import sqlite3
 import time
 from collections.abc import Iterable, Mapping
@@ -138,6 +141,23 @@ class ReplicaState:
     publications: tuple[str, ...]
     state_version: str
     initial_sync_context: dict[str, Any]
+
+
+def remove_replica_files(path: Path) -> None:
+    """Deletes a replica file, its WAL/shared-memory companions and litestream's state.
+
+    litestream keeps its position beside the database (``.<name>-litestream/``); left
+    behind after a re-sync or restore, it would describe another database.
+    """
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f"{path}{suffix}")
+    shutil.rmtree(litestream_state_dir(path), ignore_errors=True)
+
+
+def litestream_state_dir(path: Path) -> Path:
+    """Where litestream keeps its local state for the database at ``path``."""
+    return path.with_name(f".{path.name}-litestream")
 
 
 def now_ms() -> int:

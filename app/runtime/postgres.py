@@ -28,11 +28,11 @@ from typing import Any
 import psycopg
 
 from app.config import Settings
-from app.replica.schema import ReplicaState, read_replica_state
+from app.replica.schema import ReplicaState, read_replica_state, remove_replica_files
 from app.runtime.backup_replicator import BackupReplicator
 from app.runtime.options import streamer_options, task_id
 from app.sources.postgres.errors import AutoResetRequired, ShardSetupError
-from app.sources.postgres.initial_sync import InitialSyncError, initial_sync, remove_replica_files
+from app.sources.postgres.initial_sync import InitialSyncError, initial_sync
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import ReplicaRow, check_replica
 from app.sources.postgres.source import PostgresChangeSource, PostgresSourceOptions

@@ -45,7 +45,7 @@ from app.replica.ddl import (
     quote_id,
 )
 from app.replica.lite_types import JSON_STRINGIFIED, lite_value
-from app.replica.schema import init_replica, open_replica
+from app.replica.schema import init_replica, open_replica, remove_replica_files
 from app.sources.postgres.copy_out import copy_out_rows
 from app.sources.postgres.copy_text import parse_copy_line
 from app.sources.postgres.published import PublishedSchema, TableSpec, published_schema
@@ -75,7 +75,6 @@ __all__ = [
     "SyncResult",
     "initial_sync",
     "progress_line",
-    "remove_replica_files",
 ]
 
 log = logging.getLogger(__name__)
@@ -115,13 +114,6 @@ class Progress:
     bytes: int = 0
     started: float = field(default_factory=time.monotonic)
     done: bool = False
-
-
-def remove_replica_files(path: Path) -> None:
-    """Deletes a replica file and its WAL/shared-memory companions."""
-    for suffix in ("", "-wal", "-shm", "-journal"):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(f"{path}{suffix}")
 
 
 async def initial_sync(

@@ -1,0 +1,158 @@
+"""Restoring a replica from its litestream backup.
+
+``restore_replica`` runs ``litestream restore`` into ``<replica>.restoring``,
+checks what arrived is a replica (and, when asked, of the expected replica
+version and no older than a watermark), and only then renames it over the
+replica file — a failed or interrupted restore leaves the old file (or none) in
+place, never half a database. Failed attempts are retried a bounded number of
+times; a destination with no backup is not a failure (``None``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from app.backup.config import LitestreamOptions
+from app.backup.process import run_litestream, write_config
+from app.replica.errors import ReplicaError
+from app.replica.schema import ReplicaState, read_replica_state, remove_replica_files
+
+__all__ = ["RestoreError", "Restored", "restore_replica"]
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS: Final = 3
+RETRY_DELAY_S: Final = 5.0
+# One restore's time limit; a large replica over a slow link needs long.
+RESTORE_TIMEOUT_S: Final = 6 * 3600.0
+
+
+class RestoreError(Exception):
+    """The backup cannot be restored, or is not the one wanted; one line says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    state: ReplicaState
+    seconds: float
+    bytes: int
+
+
+async def restore_replica(
+    options: LitestreamOptions,
+    *,
+    replica_version: str | None = None,
+    min_watermark: str | None = None,
+    attempts: int = ATTEMPTS,
+    retry_delay_s: float = RETRY_DELAY_S,
+    timeout_s: float = RESTORE_TIMEOUT_S,
+) -> Restored | None:
+    """Restores ``options.replica_file`` from ``options.backup_url``; None if no backup."""
+    target = options.replica_file
+    staging = target.with_name(target.name + ".restoring")
+    for attempt in range(1, attempts + 1):
+        started = time.monotonic()
+        try:
+            found = await _restore_once(options, staging, timeout_s)
+        except RestoreError as e:
+            if attempt == attempts:
+                raise
+            log.warning(
+                "restore attempt %d of %d failed: %s; retrying in %.0f s",
+                attempt,
+                attempts,
+                e,
+                retry_delay_s,
+            )
+            await asyncio.sleep(retry_delay_s)
+            continue
+        if not found:
+            return None
+        state = _check(staging, options.backup_url, replica_version, min_watermark)
+        size = staging.stat().st_size
+        remove_replica_files(target)
+        os.replace(staging, target)
+        seconds = time.monotonic() - started
+        log.info(
+            "restored %s (%d bytes, replica version %s at %s) from %s in %.1f s",
+            target,
+            size,
+            state.replica_version,
+            state.state_version,
+            options.backup_url,
+            seconds,
+        )
+        return Restored(state, seconds, size)
+    raise AssertionError("unreachable: the last attempt raises or returns")
+
+
+async def _restore_once(options: LitestreamOptions, staging: Path, timeout_s: float) -> bool:
+    remove_replica_files(staging)
+    # The configuration names the replica's real path (restore looks the database
+    # up by it); the output goes to the staging file.
+    config = await asyncio.to_thread(write_config, options)
+    args = [
+        "restore",
+        "-config",
+        str(config),
+        "-no-expand-env",
+        "-if-replica-exists",
+        "-parallelism",
+        str(options.restore_parallelism),
+        "-o",
+        str(staging),
+        str(options.replica_file),
+    ]
+    try:
+        code, output = await run_litestream(
+            options.executable, args, env=options.environment(), timeout_s=timeout_s
+        )
+    except TimeoutError:
+        remove_replica_files(staging)
+        raise RestoreError(f"litestream restore did not finish in {timeout_s:.0f} s") from None
+    except OSError as e:
+        raise RestoreError(f"cannot run {options.executable}: {e}") from None
+    finally:
+        _remove_leftovers(staging)
+    if code != 0:
+        remove_replica_files(staging)
+        last = output.strip().splitlines()[-1] if output.strip() else "(no output)"
+        raise RestoreError(f"litestream restore exited with code {code}: {last}")
+    return os.path.exists(staging)  # noqa: ASYNC240 - one stat, after a long child
+
+
+def _check(
+    staging: Path, url: str, replica_version: str | None, min_watermark: str | None
+) -> ReplicaState:
+    try:
+        state = read_replica_state(staging)
+    except ReplicaError as e:
+        remove_replica_files(staging)
+        raise RestoreError(f"the backup at {url} is not a replica: {e}") from None
+    if replica_version is not None and state.replica_version != replica_version:
+        remove_replica_files(staging)
+        raise RestoreError(
+            f"the backup at {url} is of replica version {state.replica_version}, "
+            f"not {replica_version}"
+        )
+    if min_watermark is not None and state.state_version < min_watermark:
+        remove_replica_files(staging)
+        raise RestoreError(
+            f"the backup at {url} is at {state.state_version}, "
+            f"older than the change log's start {min_watermark}"
+        )
+    return state
+
+
+def _remove_leftovers(staging: Path) -> None:
+    # litestream writes "<output>.tmp" (and its WAL) before renaming it.
+    for name in (f"{staging}.tmp", f"{staging}.tmp-wal", f"{staging}.tmp-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(name)

@@ -1,0 +1,200 @@
+"""Real litestream v0.5 processes on real files: backup, read-back through the VFS, restore."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.backup.config import LitestreamOptions, find_executable
+from app.backup.process import LitestreamRunner, check_version
+from app.backup.restore import RestoreError, restore_replica
+from app.backup.watermarks import VfsPoller, VfsProbe, read_local_state
+from app.replica.schema import litestream_state_dir, read_replica_state
+from tests.backup.conftest import REPLICA_VERSION, advance, item_count, new_replica
+
+TIMEOUT_S = 30.0
+
+
+async def eventually(check: Callable[[], Any], what: str, timeout_s: float = TIMEOUT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def vfs_extension() -> Path:
+    import litestream_vfs  # type: ignore[import-untyped]
+
+    return Path(litestream_vfs.loadable_path())
+
+
+@pytest.fixture
+async def runner(litestream_options: LitestreamOptions) -> AsyncIterator[LitestreamRunner]:
+    r = LitestreamRunner(litestream_options)
+    task = asyncio.create_task(r.run())
+    yield r
+    await r.stop()
+    await asyncio.wait_for(task, TIMEOUT_S)
+
+
+def backup_files(options: LitestreamOptions) -> list[Path]:
+    root = Path(options.backup_url.removeprefix("file://"))
+    return sorted(root.rglob("*.ltx")) if root.exists() else []
+
+
+async def test_the_installed_litestream_is_v05() -> None:
+    version = await check_version(find_executable(None))
+    assert version.lstrip("v").startswith("0.5.")
+
+
+async def test_a_backup_is_read_back_through_the_vfs_and_follows_the_replica(
+    litestream_options: LitestreamOptions, runner: LitestreamRunner
+) -> None:
+    await eventually(lambda: backup_files(litestream_options), "the first upload")
+    probe = VfsProbe(litestream_options.vfs_url(), vfs_extension(), timeout_s=TIMEOUT_S)
+    try:
+        first = await eventually(lambda: _try_read(probe), "the backup's state")
+        assert first.watermark == REPLICA_VERSION
+        advance(litestream_options.replica_file, "0b")
+        moved = await eventually(lambda: _try_read(probe, want="0b"), "the backup to reach 0b")
+        assert moved.watermark == "0b"
+        local = read_local_state(litestream_options.replica_file)
+        assert local is not None
+        assert moved.write_time_ms == local.write_time_ms
+    finally:
+        await probe.close()
+
+
+async def _try_read(probe: VfsProbe, want: str | None = None) -> Any:
+    try:
+        state = await probe.read()
+    except RuntimeError:
+        return None
+    return state if want is None or state.watermark == want else None
+
+
+async def test_the_vfs_poller_yields_each_new_backed_up_watermark_once(
+    litestream_options: LitestreamOptions, runner: LitestreamRunner
+) -> None:
+    probe = VfsProbe(litestream_options.vfs_url(), vfs_extension(), timeout_s=TIMEOUT_S)
+    replica = litestream_options.replica_file
+    poller = VfsPoller(probe, lambda: read_local_state(replica), interval_s=0.1)
+    seen: list[str] = []
+
+    async def consume() -> None:
+        async for backed_up in poller:
+            seen.append(backed_up.watermark)
+
+    task = asyncio.create_task(consume())
+    try:
+        await eventually(lambda: seen, "the first backed-up watermark")
+        advance(replica, "0b")
+        advance(replica, "0c")
+        await eventually(lambda: seen and seen[-1] == "0c", "the backup to reach 0c")
+        assert seen == sorted(set(seen)), seen  # increasing, no repeats
+        assert seen[0] == REPLICA_VERSION
+    finally:
+        poller.stop()
+        await asyncio.wait_for(task, TIMEOUT_S)
+    assert probe.pid is None  # the poller's end closed its worker
+
+
+async def test_an_empty_destination_times_the_probe_out_until_the_first_upload(
+    litestream_options: LitestreamOptions,
+) -> None:
+    # The VFS waits for a first snapshot: before litestream uploads one the probe
+    # gives up after its timeout (and ends its worker); once it exists, it reads.
+    probe = VfsProbe(litestream_options.vfs_url(), vfs_extension(), timeout_s=1.0)
+    try:
+        with pytest.raises(RuntimeError, match=r"did not answer in 1 s"):
+            await probe.read()
+        assert probe.pid is None
+        runner = LitestreamRunner(litestream_options)
+        task = asyncio.create_task(runner.run())
+        try:
+            await eventually(lambda: backup_files(litestream_options), "the first upload")
+            state = await eventually(lambda: _try_read(probe), "the backup's state")
+            assert state.watermark == REPLICA_VERSION
+        finally:
+            await runner.stop()
+            await asyncio.wait_for(task, TIMEOUT_S)
+    finally:
+        await probe.close()
+
+
+async def test_a_killed_litestream_is_restarted_and_the_backup_goes_on(
+    litestream_options: LitestreamOptions, runner: LitestreamRunner
+) -> None:
+    await eventually(lambda: runner.state.pid, "litestream to start")
+    first_pid = runner.state.pid
+    assert first_pid is not None
+    os.kill(first_pid, signal.SIGKILL)
+    await eventually(
+        lambda: runner.state.pid not in (None, first_pid), "litestream to be restarted"
+    )
+    assert runner.state.starts == 2
+    assert runner.state.last_exit == -signal.SIGKILL
+    advance(litestream_options.replica_file, "0b")
+    probe = VfsProbe(litestream_options.vfs_url(), vfs_extension(), timeout_s=TIMEOUT_S)
+    try:
+        await eventually(lambda: _try_read(probe, want="0b"), "the backup to reach 0b")
+    finally:
+        await probe.close()
+
+
+async def test_restore_brings_back_the_replica_atomically(
+    litestream_options: LitestreamOptions, runner: LitestreamRunner, tmp_path: Path
+) -> None:
+    advance(litestream_options.replica_file, "0b", rows=250)
+    probe = VfsProbe(litestream_options.vfs_url(), vfs_extension(), timeout_s=TIMEOUT_S)
+    try:
+        await eventually(lambda: _try_read(probe, want="0b"), "the backup to reach 0b")
+    finally:
+        await probe.close()
+    target = tmp_path / "restored" / "replica.db"
+    target.parent.mkdir()
+    options = replace(litestream_options, replica_file=target)
+    restored = await restore_replica(options, replica_version=REPLICA_VERSION)
+    assert restored is not None
+    assert restored.state.state_version == "0b"
+    assert read_replica_state(target).replica_version == REPLICA_VERSION
+    assert item_count(target) == item_count(litestream_options.replica_file) == 350
+    assert not target.with_name("replica.db.restoring").exists()
+    assert not litestream_state_dir(target).exists()
+
+
+async def test_restore_refuses_a_backup_of_another_replica_version(
+    litestream_options: LitestreamOptions, runner: LitestreamRunner, tmp_path: Path
+) -> None:
+    await eventually(lambda: backup_files(litestream_options), "the first upload")
+    target = tmp_path / "other.db"
+    new_replica(target, version="09", rows=3)  # the file a failed restore must leave alone
+    options = replace(litestream_options, replica_file=target)
+    with pytest.raises(RestoreError, match="is of replica version 0a, not 09"):
+        await restore_replica(options, replica_version="09", attempts=1)
+    assert item_count(target) == 3
+    assert not target.with_name("other.db.restoring").exists()
+
+
+async def test_restore_from_an_empty_destination_finds_no_backup(tmp_path: Path) -> None:
+    target = tmp_path / "replica.db"
+    options = LitestreamOptions(
+        executable=find_executable(None),
+        replica_file=target,
+        backup_url=f"file://{tmp_path / 'nothing-here'}",
+    )
+    assert await restore_replica(options) is None
+    assert not target.exists()
