@@ -318,6 +318,7 @@ async def service_stats(service: ChangeStreamerService | None) -> dict[str, dict
     return {
         "changeLog": await _guarded(lambda: _change_log_stats(service)),
         "replication": await _guarded(lambda: _replication_stats(service)),
+        "backup": await _guarded(lambda: _backup_stats(service)),
         "os": await _guarded(_os_stats_async),
     }
 
@@ -348,8 +349,35 @@ async def _change_log_stats(service: ChangeStreamerService | None) -> dict[str, 
         "rows": await change_log.count(),
         "minWatermark": await change_log.min_watermark(),
         "maxWatermark": await change_log.max_watermark(),
+        "bytes": await change_log.size_bytes(),
         # SQLite's group commits: their process (None: in the service itself).
         "writerProcess": None if writer is None else {"pid": writer.pid, "starts": writer.starts},
+    }
+
+
+async def _backup_stats(service: ChangeStreamerService | None) -> dict[str, Any]:
+    """Backups, purge and reservations: what holds the change log's floor, and why."""
+    s = _running(service)
+    purger = s.purger
+    return {
+        "backupURL": s.options.backup_url,
+        "backupWatermark": s.backup_watermark,
+        "coverageTarget": s.coverage_target,
+        "covered": s.backup_covered,
+        "problem": s.backup_problem,
+        "lagSeconds": s.backup_lag_seconds(),
+        "monitor": s.backup_state.stats() if s.backup_state is not None else None,
+        "purge": {
+            "floor": purger.floor,
+            "heldBy": purger.floor_holder,
+            "purgedBelow": purger.purged_watermark or None,
+            "passes": purger.passes,
+            "rowsDeleted": purger.deleted,
+        },
+        "reservations": {
+            "open": s.reservations.open_tasks,
+            "longestSeconds": round(s.reservations.longest_completed_s, 3),
+        },
     }
 
 

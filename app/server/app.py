@@ -84,6 +84,8 @@ def create_app(
         current = holder.service
         if current is None or not current.running:
             return False, "the change streamer is not running"
+        if current.backup_problem is not None:
+            return False, current.backup_problem
         if not current.backup_covered:
             return (
                 False,

@@ -17,6 +17,9 @@ gauges as they are at that moment, so there is no registry to keep. Metrics:
 ``changestreamer_change_log_rows``                gauge    rows in the change log (cached)
 ``changestreamer_lag_seconds``                    gauge    now − newest lag report's commit
 ``changestreamer_backup_lag_seconds``             gauge    age of the oldest unbacked commit
+``changestreamer_backup_wedged``                  gauge    1 while the backup is wedged
+``changestreamer_snapshot_reservations_open``     gauge    open reservations (purge waits)
+``changestreamer_change_log_purged_rows_total``   counter  rows purged from the change log
 ================================================  =======  =================================
 
 Counters restart from zero with the process (Prometheus' ``rate`` handles that).
@@ -241,6 +244,27 @@ async def collect(
                 "Seconds since the upstream commit of the newest replication lag report.",
             ).add(lag)
         )
+    families.append(
+        MetricFamily(
+            "changestreamer_backup_wedged",
+            "gauge",
+            "1 while the backup has made no progress for too long behind the replica.",
+        ).add(1 if service.backup_problem is not None else 0)
+    )
+    families.append(
+        MetricFamily(
+            "changestreamer_snapshot_reservations_open",
+            "gauge",
+            "Snapshot reservations open now (change log purges wait for them).",
+        ).add(len(service.reservations.open_tasks))
+    )
+    families.append(
+        MetricFamily(
+            "changestreamer_change_log_purged_rows_total",
+            "counter",
+            "Change log rows deleted by purges since start.",
+        ).add(service.purger.deleted)
+    )
     backup_lag = service.backup_lag_seconds()
     if backup_lag is not None:
         families.append(

@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -177,6 +177,20 @@ class ChangeLog:
     async def count(self) -> int:
         async with self._db.reader.connect() as conn:
             return int(await conn.scalar(select(func.count()).select_from(change_log)) or 0)
+
+    async def size_bytes(self) -> int:
+        """Bytes the change log takes: on Postgres its table and indexes; on SQLite
+        the file's pages in use (the file holds little else, and freed pages are
+        reused by later appends, so this — not the file size — is what grows)."""
+        async with self._db.reader.connect() as conn:
+            if self._db.dialect == "postgresql":
+                name = self._db.table_name("changeLog")
+                value = await conn.scalar(text(f"SELECT pg_total_relation_size('{name}')"))
+                return int(value or 0)
+            pages = await conn.scalar(text("PRAGMA page_count"))
+            free = await conn.scalar(text("PRAGMA freelist_count"))
+            size = await conn.scalar(text("PRAGMA page_size"))
+            return (int(pages or 0) - int(free or 0)) * int(size or 0)
 
     async def purge_before(self, watermark: str, owner: str) -> int:
         """Deletes transactions below ``watermark``, always keeping the newest one.

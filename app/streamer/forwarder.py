@@ -88,6 +88,10 @@ class Forwarder:
         """The acked watermark of every subscriber (active or queued)."""
         return [s.acked for s in (*self.active, *self.queued)]
 
+    def named_acks(self) -> list[tuple[str, str]]:
+        """``(subscriber id, acked watermark)`` of every subscriber, for the purge floor."""
+        return [(s.id, s.acked) for s in (*self.active, *self.queued)]
+
     # -- forwarding ---------------------------------------------------------
 
     def forward(self, change: Change) -> None:

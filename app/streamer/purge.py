@@ -18,7 +18,15 @@ Two triggers, used by different deployments:
 
 The delay (30 s = 3 × the subscribers' maximum reconnect backoff) gives subscribers
 that just lost their connection time to come back and expose their position before
-anything they need is deleted. Purges never overlap: both triggers feed one task.
+anything they need is deleted. ``delay_s`` may be a callable: the service grows it
+to the longest time a snapshot reservation took from open to subscribe (seed 001),
+so a view-syncer that started restoring an older backup still finds its changes.
+``paused`` (also a callable) returns why purging must wait — while any snapshot
+reservation is open nothing is purged — and the pass is retried a delay later.
+Purges never overlap: both triggers feed one task.
+
+``floor`` and ``floor_holder`` say where the last backup-path pass put the floor
+and which constraint held it there (for ``/statz`` and metrics).
 """
 
 from __future__ import annotations
@@ -46,7 +54,9 @@ class Purger:
         reserved_watermarks: Callable[[], Iterable[str]],
         timers: Timers,
         *,
-        delay_s: float = CLEANUP_DELAY_S,
+        delay_s: float | Callable[[], float] = CLEANUP_DELAY_S,
+        paused: Callable[[], str | None] = lambda: None,
+        named_acks: Callable[[], Iterable[tuple[str, str]]] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
@@ -54,7 +64,9 @@ class Purger:
         self._subscriber_acks = subscriber_acks
         self._reserved = reserved_watermarks
         self._timers = timers
-        self._delay_s = delay_s
+        self._delay = delay_s if callable(delay_s) else (lambda: float(delay_s))
+        self._paused = paused
+        self._named_acks = named_acks
         self._on_fatal = on_fatal
         self._log = logger or logging.getLogger(__name__)
         self._stopped = False
@@ -63,6 +75,10 @@ class Purger:
         self._backup: str | None = None
         self._purged = ""
         self._last_floor: str | None = None
+        self.floor: str | None = None
+        self.floor_holder: str | None = None
+        self.passes = 0
+        self.deleted = 0
         self._backup_timer: TimerHandle | None = None
         self._backup_busy = False  # timer armed, or its pass queued / running
         self._backup_due = False
@@ -131,7 +147,7 @@ class Purger:
         if self._backup is None or self._purged >= self._backup:
             return
         self._backup_busy = True
-        self._backup_timer = self._timers.call_later(self._delay_s, self._on_backup_timer)
+        self._backup_timer = self._timers.call_later(self._delay(), self._on_backup_timer)
 
     def _on_backup_timer(self) -> None:
         self._backup_timer = None
@@ -141,7 +157,19 @@ class Purger:
     async def _purge_to_backup_floor(self) -> None:
         backup = self._backup
         assert backup is not None  # armed only once a backup watermark is known
-        floor = min([backup, *self._subscriber_acks(), *self._reserved()])
+        reason = self._paused()
+        if reason is not None:
+            self.floor_holder = reason
+            self._log.info("change log purge paused: %s", reason)
+            return
+        floor, holder = min(
+            [
+                (backup, "backup"),
+                *self._acks_with_names(),
+                *((w, "reservation") for w in self._reserved()),
+            ]
+        )
+        self.floor, self.floor_holder = floor, holder
         if floor < backup and floor != self._last_floor:
             self._log.info(
                 "At least one client is behind backup: purging only up to %s (backup at %s)",
@@ -154,11 +182,16 @@ class Purger:
         if await self._attempt(floor):
             self._purged = floor
 
+    def _acks_with_names(self) -> list[tuple[str, str]]:
+        if self._named_acks is not None:
+            return [(w, f"subscriber {name}") for name, w in self._named_acks()]
+        return [(w, "subscriber") for w in self._subscriber_acks()]
+
     # -- scheduleCleanup path ---------------------------------------------------
 
     def _arm_cleanup(self) -> None:
         self._cleanup_busy = True
-        self._cleanup_timer = self._timers.call_later(self._delay_s, self._on_cleanup_timer)
+        self._cleanup_timer = self._timers.call_later(self._delay(), self._on_cleanup_timer)
 
     def _on_cleanup_timer(self) -> None:
         self._cleanup_timer = None
@@ -241,5 +274,7 @@ class Purger:
         except Exception:
             self._log.exception("change log purge to %s failed; will retry", watermark)
             return False
+        self.passes += 1
+        self.deleted += deleted
         self._log.info("purged %d change log entries before %s", deleted, watermark)
         return True

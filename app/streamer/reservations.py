@@ -11,6 +11,11 @@ client can catch up from any backup at or after W (core.md §5.8 [new]).
 wins), their confirmation task and their durations. A ``Reservation`` is what the
 transport streams to the client: an async iterator of JSON message strings that
 ends when the reservation is cancelled or completed.
+
+A reservation that stays open longer than ``max_open_s`` (a restore that hangs,
+a client that never subscribes) is cancelled with a warning: it would otherwise
+hold purging back for ever. The status carries ``replicaSize`` (bytes of this
+service's replica, for the client's restore progress) when it is known.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final, Literal, Protocol
 
 from app.protocol.canonical_json import dumps
-from app.streamer.timers import Timers
+from app.streamer.timers import TimerHandle, Timers
 
 __all__ = [
     "BackupsNotConfiguredError",
@@ -37,6 +42,8 @@ ReservationOutcome = Literal["open", "completed", "cancelled"]
 # A reservation carries exactly one status message; room for one more keeps a
 # programming error visible (an assertion) instead of growing without bound.
 _MAX_QUEUED: Final = 2
+# A restore of a large replica can take hours; longer than this is a stuck client.
+DEFAULT_MAX_OPEN_S: Final = 4 * 3600.0
 
 
 class ChangeLogStateLike(Protocol):
@@ -71,6 +78,7 @@ class Reservation:
         self.opened_at = opened_at
         self.reserved_watermark: str | None = None  # set when confirmed
         self.outcome: ReservationOutcome = "open"
+        self.expiry: TimerHandle | None = None
         self._on_end = on_end
         self._queue: deque[str] = deque()
         self._wakeup = asyncio.Event()
@@ -114,6 +122,9 @@ class Reservation:
         self.outcome = outcome
         self._queue.clear()
         self._wakeup.set()
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
         if not self._closed.done():  # an impatient waiter may have cancelled it
             self._closed.set_result(None)
         self._on_end(self)
@@ -133,9 +144,13 @@ class SnapshotReservations:
         backup_url: str | None,
         timers: Timers,
         *,
+        replica_size: Callable[[], int | None] = lambda: None,
+        max_open_s: float = DEFAULT_MAX_OPEN_S,
         logger: logging.Logger | None = None,
     ) -> None:
         self._change_log_state = change_log_state
+        self._replica_size = replica_size
+        self._max_open_s = max_open_s
         self._backup_url = backup_url
         self._timers = timers
         self._log = logger or logging.getLogger(__name__)
@@ -162,6 +177,9 @@ class SnapshotReservations:
         previous = self._by_task.get(task_id)
         reservation = Reservation(task_id, self._timers.monotonic(), self._forget)
         self._by_task[task_id] = reservation
+        reservation.expiry = self._timers.call_later(
+            self._max_open_s, lambda: self._expire(reservation)
+        )
         if previous is not None:
             previous.cancel()
         self._log.info("snapshot reservation opened for task %s", task_id)
@@ -187,6 +205,22 @@ class SnapshotReservations:
             self._backup = watermark
         if self._pending():
             self._request_confirmation()
+
+    def _expire(self, reservation: Reservation) -> None:
+        reservation.expiry = None
+        if reservation.is_open:
+            self._log.warning(
+                "snapshot reservation of task %s open for %.0f s (the limit, "
+                "CHANGESTREAMER_RESERVATION_MAX_SECONDS): ending it",
+                reservation.task_id,
+                self._max_open_s,
+            )
+            reservation.cancel()
+
+    @property
+    def open_tasks(self) -> list[str]:
+        """Tasks holding an open reservation (purging waits while there are any)."""
+        return list(self._by_task)
 
     def is_open(self, task_id: str) -> bool:
         """Whether ``task_id`` holds an open reservation (for /statz and tests)."""
@@ -269,17 +303,16 @@ class SnapshotReservations:
                     backup,
                 )
             return
-        message = dumps(
-            [
-                "status",
-                {
-                    "tag": "status",
-                    "backupURL": self._backup_url,
-                    "replicaVersion": state.replica_version,
-                    "minWatermark": backup,
-                },
-            ]
-        )
+        status: dict[str, object] = {
+            "tag": "status",
+            "backupURL": self._backup_url,
+            "replicaVersion": state.replica_version,
+            "minWatermark": backup,
+        }
+        size = self._replica_size()
+        if size is not None:
+            status["replicaSize"] = size
+        message = dumps(["status", status])
         for reservation in pending:
             if reservation.is_open and reservation.reserved_watermark is None:
                 reservation.reserved_watermark = backup

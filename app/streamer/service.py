@@ -25,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy.exc import DBAPIError
 
@@ -60,8 +61,8 @@ from app.streamer.acker import UpstreamAcker
 from app.streamer.downstream import DEFAULT_MAX_UNCONSUMED_BYTES, Downstream
 from app.streamer.forwarder import Forwarder
 from app.streamer.pump import Pump
-from app.streamer.purge import Purger
-from app.streamer.reservations import Reservation, SnapshotReservations
+from app.streamer.purge import CLEANUP_DELAY_S, Purger
+from app.streamer.reservations import DEFAULT_MAX_OPEN_S, Reservation, SnapshotReservations
 from app.streamer.rowrun import encode_rows
 from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, Storer
 from app.streamer.subscriber import Change, Mode, Subscriber, new_change
@@ -107,6 +108,19 @@ class StreamerOptions:
     # A subscriber with more than this sent but not acknowledged is dropped (it
     # stopped reading); it can resume from the change log.
     max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES
+    # Snapshot reservations open longer than this are ended (a stuck restore).
+    reservation_max_s: float = DEFAULT_MAX_OPEN_S
+    # The replica backups are made of; its size goes into reservation statuses.
+    replica_file: str | None = None
+
+
+class BackupState(Protocol):
+    """What the service shows of its backups (``app.backup.monitor.BackupMonitor``)."""
+
+    @property
+    def problem(self) -> str | None: ...
+
+    def stats(self) -> dict[str, object]: ...
 
 
 class ChangeStreamerService:
@@ -149,13 +163,23 @@ class ChangeStreamerService:
             statement_timeout_s=self.options.statement_timeout_s,
         )
         self.reservations = SnapshotReservations(
-            self.replication.change_log_state, self.options.backup_url, self._timers
+            self.replication.change_log_state,
+            self.options.backup_url,
+            self._timers,
+            replica_size=self._replica_size,
+            max_open_s=self.options.reservation_max_s,
         )
         self.purger = Purger(
             lambda w: self.change_log.purge_before(w, task_id),
             self.forwarder.acks,
             self.reservations.reserved_watermarks,
             self._timers,
+            # Grown to the longest reservation → subscribe time seen (seed 001), and
+            # paused while any reservation is open: a view-syncer restoring an older
+            # backup must still find the changes after it.
+            delay_s=lambda: max(CLEANUP_DELAY_S, self.reservations.longest_completed_s),
+            paused=self._purge_pause_reason,
+            named_acks=self.forwarder.named_acks,
             on_fatal=self._on_fatal,
         )
         self._backoff = Backoff(self.options.backoff_initial_s, self.options.backoff_max_s)
@@ -170,6 +194,7 @@ class ChangeStreamerService:
         # reach before this task is ready to serve (the coverage gate).
         self.backup_watermark: str | None = None
         self.coverage_target = durable_watermark
+        self.backup_state: BackupState | None = None
         self._durable_at: deque[tuple[str, float]] = deque(maxlen=DURABLE_HISTORY)
         self.serving_started = asyncio.Event()
         self.running = False
@@ -590,6 +615,25 @@ class ChangeStreamerService:
         self.acker.track_backup(watermark)
         self.purger.track_backup_watermark(watermark)
         self.reservations.track_backup_watermark(watermark)
+
+    def _purge_pause_reason(self) -> str | None:
+        tasks = self.reservations.open_tasks
+        if tasks:
+            return f"snapshot reservation open for {', '.join(sorted(tasks))}"
+        return None
+
+    def _replica_size(self) -> int | None:
+        if self.options.replica_file is None:
+            return None
+        try:
+            return os.stat(self.options.replica_file).st_size
+        except OSError:
+            return None
+
+    @property
+    def backup_problem(self) -> str | None:
+        """Why the backup is not healthy (wedged), or None."""
+        return self.backup_state.problem if self.backup_state is not None else None
 
     def schedule_cleanup(self, watermark: str) -> None:
         self.purger.schedule_cleanup(watermark)

@@ -202,9 +202,11 @@ async def test_statz_text_has_a_section_per_group_with_key_value_lines(
     assert reply.status == 200
     assert reply.headers.get_content_type() == "text/plain"
     headings = re.findall(r"^=== (\w+) ===$", reply.text, re.MULTILINE)
-    assert headings == ["changeLog", "replication", "os"]
+    assert headings == ["changeLog", "replication", "backup", "os"]
     change_log = reply.text.split("=== changeLog ===\n")[1].split("\n\n")[0]
-    assert change_log.splitlines() == [
+    lines = change_log.splitlines()
+    assert re.fullmatch(r"bytes: [1-9]\d*", lines.pop(3)), change_log  # pages in use
+    assert lines == [
         "rows: 2",
         "minWatermark: 01",
         "maxWatermark: 01",
@@ -233,9 +235,12 @@ async def test_statz_json_holds_the_change_streamer_groups(
     assert reply.headers.get_content_type() == "application/json"
     assert b"\n" not in reply.body  # compact unless pretty
     stats = reply.json()
-    assert list(stats) == ["changeLog", "replication", "os"]
+    assert list(stats) == ["changeLog", "replication", "backup", "os"]
     writer = stats["changeLog"].pop("writerProcess")
+    assert stats["changeLog"].pop("bytes") > 0
     assert stats["changeLog"] == {"rows": 2, "minWatermark": "01", "maxWatermark": "01"}
+    assert stats["backup"]["purge"]["heldBy"] is None  # no purge pass yet
+    assert stats["backup"]["reservations"] == {"open": [], "longestSeconds": 0.0}
     # The SQLite writer process starts with the storer; this service never streamed.
     assert writer == {"pid": None, "starts": 0}
     replication = stats["replication"]

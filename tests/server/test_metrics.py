@@ -197,6 +197,9 @@ EXPECTED = {
     "changestreamer_transactions_total": "counter",
     "changestreamer_changes_total": "counter",
     "changestreamer_change_log_rows": "gauge",
+    "changestreamer_backup_wedged": "gauge",
+    "changestreamer_snapshot_reservations_open": "gauge",
+    "changestreamer_change_log_purged_rows_total": "counter",
 }
 
 

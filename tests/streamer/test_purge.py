@@ -421,3 +421,62 @@ async def test_purges_a_real_change_log_but_keeps_the_newest_transaction(
         await purger.stop()
     finally:
         await db.dispose()
+
+
+# -- reservations pause purging; the delay grows; the floor is named ------------------
+
+
+async def test_a_paused_purger_deletes_nothing_and_tries_again_a_delay_later() -> None:
+    timers = ManualTimers()
+    purge = FakePurge()
+    reason: list[str] = ["snapshot reservation open for t1"]
+    purger = Purger(purge, lambda: [], list, timers, paused=lambda: reason[0] if reason else None)
+    try:
+        purger.track_backup_watermark("05")
+        timers.advance(CLEANUP_DELAY_S)
+        await purger.idle()
+        assert purge.calls == []
+        assert purger.floor_holder == "snapshot reservation open for t1"
+        reason.clear()  # the reservation ended
+        timers.advance(CLEANUP_DELAY_S)
+        await purger.idle()
+        assert purge.calls == ["05"]
+        assert (purger.floor, purger.floor_holder) == ("05", "backup")
+    finally:
+        await purger.stop()
+
+
+async def test_the_delay_is_read_at_each_arming() -> None:
+    timers = ManualTimers()
+    purge = FakePurge()
+    delay = [CLEANUP_DELAY_S]
+    purger = Purger(purge, lambda: [], list, timers, delay_s=lambda: delay[0])
+    try:
+        purger.track_backup_watermark("05")
+        timers.advance(CLEANUP_DELAY_S)
+        await purger.idle()
+        assert purge.calls == ["05"]
+        delay[0] = 120.0  # a reservation took two minutes from open to subscribe
+        purger.track_backup_watermark("06")
+        assert timers.advance(CLEANUP_DELAY_S) == 0
+        timers.advance(120.0 - CLEANUP_DELAY_S)
+        await purger.idle()
+        assert purge.calls == ["05", "06"]
+    finally:
+        await purger.stop()
+
+
+async def test_the_floor_names_the_subscriber_that_holds_it() -> None:
+    timers = ManualTimers()
+    purge = FakePurge()
+    acks = [("view-syncer-1", "07"), ("view-syncer-2", "04")]
+    purger = Purger(purge, lambda: [w for _, w in acks], list, timers, named_acks=lambda: acks)
+    try:
+        purger.track_backup_watermark("09")
+        timers.advance(CLEANUP_DELAY_S)
+        await purger.idle()
+        assert purge.calls == ["04"]
+        assert (purger.floor, purger.floor_holder) == ("04", "subscriber view-syncer-2")
+        assert (purger.passes, purger.deleted) == (1, 1)
+    finally:
+        await purger.stop()

@@ -371,3 +371,55 @@ async def test_iteration_ends_when_the_reservation_ends_while_waiting(world: Wor
     assert not waiter.done()
     world.reservations.close_for_task("task-1")
     assert await waiter is None
+
+
+# -- replica size, the open-time cap, open tasks ---------------------------------------
+
+
+async def test_the_status_carries_the_replica_size_when_known() -> None:
+    timers = ManualTimers()
+    reservations = SnapshotReservations(
+        ChangeLogStates(), BACKUP_URL, timers, replica_size=lambda: 123_456
+    )
+    try:
+        r = reservations.open("task-1")
+        reservations.track_backup_watermark("08")
+        await reservations.idle()
+        message = await poll(r)
+        assert message == ["status", {**status("08")[1], "replicaSize": 123_456}]
+    finally:
+        await reservations.stop()
+
+
+async def test_a_reservation_open_past_the_cap_is_cancelled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    timers = ManualTimers()
+    reservations = SnapshotReservations(ChangeLogStates(), BACKUP_URL, timers, max_open_s=600)
+    try:
+        r = reservations.open("task-1")
+        assert reservations.open_tasks == ["task-1"]
+        timers.advance(599)
+        assert r.is_open
+        with caplog.at_level(logging.WARNING):
+            timers.advance(1)
+        assert r.outcome == "cancelled"
+        assert reservations.open_tasks == []
+        assert reservations.longest_completed_s == 0.0  # not a completed restore
+        assert any("open for 600 s" in rec.getMessage() for rec in caplog.records)
+    finally:
+        await reservations.stop()
+
+
+async def test_a_completed_reservation_does_not_expire_later() -> None:
+    timers = ManualTimers()
+    reservations = SnapshotReservations(ChangeLogStates(), BACKUP_URL, timers, max_open_s=600)
+    try:
+        r = reservations.open("task-1")
+        timers.advance(100)
+        reservations.close_for_task("task-1")
+        assert r.outcome == "completed"
+        assert timers.pending() == []  # its expiry timer is gone
+        assert reservations.longest_completed_s == 100
+    finally:
+        await reservations.stop()
