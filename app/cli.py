@@ -13,11 +13,21 @@ import logging
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from app.backup.process import check_version
+from app.backup.restore import restore_replica
 from app.client import add_status_arguments, add_tail_arguments, run_status, run_tail
-from app.config import Settings, SettingsError, load_settings
+from app.config import Settings, SettingsError, check_change_db_directory, load_settings
 from app.replica.command import add_replicate_arguments, run_replicate
 from app.replica.errors import ReplicaError
+from app.runtime.backups import (
+    BackupConfigError,
+    RestoreError,
+    check_backup_settings,
+    litestream_options,
+    start_backups,
+)
 from app.runtime.gc_tuning import before_exit, tune_for_streaming
 from app.runtime.options import streamer_options, task_id
 from app.runtime.postgres import (
@@ -72,6 +82,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "replicate", help="keep a replica file current from a change-streamer"
     )
     add_replicate_arguments(replicate_cmd)
+    restore_cmd = commands.add_parser(
+        "restore", help="restore a replica file from its litestream backup and exit"
+    )
+    restore_cmd.add_argument(
+        "--backup-url", help="the backup (file:// or s3://; default ZERO_LITESTREAM_BACKUP_URL)"
+    )
+    restore_cmd.add_argument(
+        "--replica", type=Path, help="the replica file to write (default ZERO_REPLICA_FILE)"
+    )
+    restore_cmd.add_argument("--replica-version", help="refuse a backup of another replica version")
+    restore_cmd.add_argument(
+        "--force", action="store_true", help="replace the replica file if it exists"
+    )
     args = parser.parse_args(argv)
     # Client commands need no settings or change DB (they may run on another host).
     if args.command == "tail":
@@ -83,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         settings = load_settings()
+        if args.command != "restore":  # restore needs no change DB
+            check_change_db_directory(settings)
     except SettingsError as e:
         print(f"changestreamer: {e}", file=sys.stderr)
         return 2
@@ -97,6 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # Alembic narrates every step at INFO; the one line below says the outcome.
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    for note in settings.startup_notes:
+        log.info("%s", note)
+    if args.command == "restore":
+        return _restore(args, settings)
     try:
         db = open_change_db(settings)
         revision = asyncio.run(_migrate(db))
@@ -107,6 +136,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "migrate":
         return 0
     return _serve(settings, db, host=args.host, port=args.port)
+
+
+def _restore(args: argparse.Namespace, settings: Settings) -> int:
+    """``changestreamer restore``: the backup into the replica file, atomically."""
+    updates: dict[str, object] = {}
+    if args.backup_url:
+        updates["litestream_backup_url"] = args.backup_url
+    replica = args.replica or settings.replica_file
+    try:
+        options = litestream_options(settings.model_copy(update=updates), replica)
+        if replica.exists() and not args.force:
+            print(f"changestreamer: {replica} exists; pass --force to replace it", file=sys.stderr)
+            return 2
+        if not replica.parent.is_dir():
+            print(f"changestreamer: directory {replica.parent} does not exist", file=sys.stderr)
+            return 2
+        asyncio.run(check_version(options.executable))
+        restored = asyncio.run(restore_replica(options, replica_version=args.replica_version))
+    except (BackupConfigError, RestoreError) as e:
+        print(f"changestreamer: {e}", file=sys.stderr)
+        return 1
+    if restored is None:
+        print(f"changestreamer: no backup at {options.backup_url}", file=sys.stderr)
+        return 1
+    print(
+        f"restored {replica}: replica version {restored.state.replica_version} at "
+        f"{restored.state.state_version}, {restored.bytes} bytes in {restored.seconds:.1f} s"
+    )
+    return 0
 
 
 def open_change_db(settings: Settings) -> ChangeDb:
@@ -124,6 +182,13 @@ async def _migrate(db: ChangeDb) -> str:
 
 def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | None) -> int:
     """Runs the server; after an auto-reset (a new replica is needed) builds it all again."""
+    try:
+        notes = asyncio.run(check_backup_settings(settings))
+    except BackupConfigError as e:
+        print(f"changestreamer: {e}", file=sys.stderr)
+        return 2
+    for note in notes:
+        log.info("%s", note)
     for attempt in range(MAX_AUTO_RESETS + 1):
         if attempt:
             log.warning("auto-reset: re-syncing the replica and restarting the service")
@@ -147,7 +212,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     if settings.upstream_db:
         try:
             prepared = asyncio.run(_prepare(settings, db))
-        except (UpstreamSetupError, ReplicaError) as e:
+        except (UpstreamSetupError, ReplicaError, RestoreError, BackupConfigError) as e:
             print(f"changestreamer: {e}", file=sys.stderr)
             return 1
     server: uvicorn.Server | None = None
@@ -165,6 +230,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
             if settings.follow_replica:
                 runtime.start_backup()
             service = runtime.service
+        start_backups(service, settings, replica_file=settings.replica_file if prepared else None)
         built.append(service)
         return service
 

@@ -1,97 +1,204 @@
 """Settings: one object, read from the environment and ``.env`` with Zero's names.
 
-Every field has an explicit ``ZERO_*`` alias (Zero's names are flat, so
-pydantic's nested splitting cannot derive them). ``.env.example`` lists them all
-with their defaults. ``load_settings`` turns any validation failure into one
-line that names the variable, so start-up ends with a readable error.
+Every field has an explicit ``ZERO_*`` (or, for this service's own settings,
+``CHANGESTREAMER_*``) alias. ``.env.example`` lists them all with their defaults.
+
+``load_settings`` reads the environment over ``.env`` itself rather than through
+pydantic-settings, because it must see every name, not only the known ones: zero
+roles share one environment, so a ``ZERO_*`` name must be one zero-cache 1.9.0
+defines (:mod:`app.zero_settings` says what each means here), and a typo such as
+``ZERO_UPSTREAM_BD`` stops start-up instead of silently serving the demo source.
+Empty values count as unset, as in zero-cache. Every failure is one line that
+names the variable, so start-up ends with a readable error.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Final, Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from dotenv import dotenv_values
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
-from app.storage.engine import Shard
+from app.storage.engine import Shard, parse_change_db_url
 from app.storage.errors import ChangeDbConfigError
+from app.zero_settings import CATALOG, OUTSIDE_OPTIONS, OWN_EXTENSIONS, refusal, startup_notes
 
 
 class SettingsError(Exception):
     """A setting is invalid; the message is one line naming it."""
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_file=".env", env_file_encoding="utf-8", extra="ignore", populate_by_name=False
-    )
+# The error type of a validator whose message is already the whole line.
+_WHOLE_LINE: Final = "changestreamer_setting"
 
-    app_id: str = Field("zero", validation_alias=AliasChoices("ZERO_APP_ID"))
-    shard_num: int = Field(0, ge=0, validation_alias=AliasChoices("ZERO_SHARD_NUM"))
-    app_publications: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, validation_alias=AliasChoices("ZERO_APP_PUBLICATIONS")
+
+def _env(name: str) -> AliasChoices:
+    return AliasChoices(name)
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=False, validate_default=True)
+
+    app_id: str = Field("zero", validation_alias=_env("ZERO_APP_ID"))
+    shard_num: int = Field(0, ge=0, validation_alias=_env("ZERO_SHARD_NUM"))
+    app_publications: list[str] = Field(
+        default_factory=list, validation_alias=_env("ZERO_APP_PUBLICATIONS")
     )
-    replica_file: Path = Field(Path("zero.db"), validation_alias=AliasChoices("ZERO_REPLICA_FILE"))
-    change_db: str | None = Field(None, validation_alias=AliasChoices("ZERO_CHANGE_DB"))
-    port: int = Field(4848, ge=1, le=65535, validation_alias=AliasChoices("ZERO_PORT"))
+    replica_file: Path = Field(Path("zero.db"), validation_alias=_env("ZERO_REPLICA_FILE"))
+    change_db: str | None = Field(None, validation_alias=_env("ZERO_CHANGE_DB"))
+    port: int = Field(4848, ge=1, le=65535, validation_alias=_env("ZERO_PORT"))
     change_streamer_port: int | None = Field(
-        None, ge=1, le=65535, validation_alias=AliasChoices("ZERO_CHANGE_STREAMER_PORT")
+        None, ge=1, le=65535, validation_alias=_env("ZERO_CHANGE_STREAMER_PORT")
     )
     change_streamer_host: str = Field(
-        "127.0.0.1", validation_alias=AliasChoices("ZERO_CHANGE_STREAMER_HOST")
+        "127.0.0.1", validation_alias=_env("ZERO_CHANGE_STREAMER_HOST")
     )
     change_streamer_address: str | None = Field(
-        None, validation_alias=AliasChoices("ZERO_CHANGE_STREAMER_ADDRESS")
+        None, validation_alias=_env("ZERO_CHANGE_STREAMER_ADDRESS")
     )
-    log_level: str = Field("info", validation_alias=AliasChoices("ZERO_LOG_LEVEL"))
-    upstream_db: str | None = Field(None, validation_alias=AliasChoices("ZERO_UPSTREAM_DB"))
-    task_id: str | None = Field(None, validation_alias=AliasChoices("ZERO_TASK_ID"))
+    log_level: str = Field("info", validation_alias=_env("ZERO_LOG_LEVEL"))
+    # Read by nobody yet but litestream's configuration (app/backup).
+    log_format: Literal["text", "json"] = Field("text", validation_alias=_env("ZERO_LOG_FORMAT"))
+    upstream_db: str | None = Field(None, validation_alias=_env("ZERO_UPSTREAM_DB"))
+    task_id: str | None = Field(None, validation_alias=_env("ZERO_TASK_ID"))
     startup_delay_ms: int = Field(
-        15_000, ge=0, validation_alias=AliasChoices("ZERO_CHANGE_STREAMER_STARTUP_DELAY_MS")
+        15_000, ge=0, validation_alias=_env("ZERO_CHANGE_STREAMER_STARTUP_DELAY_MS")
     )
-    auto_reset: bool = Field(True, validation_alias=AliasChoices("ZERO_AUTO_RESET"))
+    auto_reset: bool = Field(True, validation_alias=_env("ZERO_AUTO_RESET"))
     back_pressure_bytes: int = Field(
         64 * 1024 * 1024,
         gt=0,
-        validation_alias=AliasChoices("ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_BYTES"),
+        validation_alias=_env("ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_BYTES"),
     )
     consensus_timeout_proportion: float = Field(
         2.0,
-        validation_alias=AliasChoices(
-            "ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_TIMEOUT_PROPORTION"
-        ),
+        validation_alias=_env("ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_TIMEOUT_PROPORTION"),
     )
     slow_subscriber_grace_s: float = Field(
         30.0,
-        validation_alias=AliasChoices(
+        validation_alias=_env(
             "ZERO_CHANGE_STREAMER_FLOW_CONTROL_SLOW_SUBSCRIBER_GRACE_PERIOD_SECONDS"
         ),
     )
-    admin_password: str | None = Field(None, validation_alias=AliasChoices("ZERO_ADMIN_PASSWORD"))
-    operator_password: str | None = Field(
-        None, validation_alias=AliasChoices("ZERO_OPERATOR_PASSWORD")
-    )
-    node_env: str | None = Field(None, validation_alias=AliasChoices("NODE_ENV"))
+    admin_password: str | None = Field(None, validation_alias=_env("ZERO_ADMIN_PASSWORD"))
+    operator_password: str | None = Field(None, validation_alias=_env("ZERO_OPERATOR_PASSWORD"))
+    node_env: str | None = Field(None, validation_alias=_env("NODE_ENV"))
     keepalive_timeout_ms: int | None = Field(
-        None, ge=0, validation_alias=AliasChoices("ZERO_KEEPALIVE_TIMEOUT_MS")
+        None, ge=0, validation_alias=_env("ZERO_KEEPALIVE_TIMEOUT_MS")
     )
+
+    # Backups (litestream), with zero-cache's names and defaults unless noted.
+    litestream_executable: str | None = Field(
+        None, validation_alias=_env("ZERO_LITESTREAM_EXECUTABLE")
+    )
+    litestream_executable_v5: str | None = Field(
+        None, validation_alias=_env("ZERO_LITESTREAM_EXECUTABLE_V5")
+    )
+    litestream_backup_using_v5: bool = Field(
+        False, validation_alias=_env("ZERO_LITESTREAM_BACKUP_USING_V5")
+    )
+    # zero's defaults are paths inside its own package and image; here unset means
+    # the built-in template and no VFS extension.
+    litestream_config_path: str | None = Field(
+        None, validation_alias=_env("ZERO_LITESTREAM_CONFIG_PATH")
+    )
+    litestream_vfs_extension_path: str | None = Field(
+        None, validation_alias=_env("ZERO_LITESTREAM_VFS_EXTENSION_PATH")
+    )
+    # zero's default, 30000, paces its on-demand probes; ours polls while the backup
+    # is behind the replica, so it is shorter.
+    litestream_vfs_probe_interval_ms: int = Field(
+        1000, gt=0, validation_alias=_env("ZERO_LITESTREAM_VFS_PROBE_INTERVAL_MS")
+    )
+    litestream_vfs_probe_timeout_ms: int = Field(
+        30_000, gt=0, validation_alias=_env("ZERO_LITESTREAM_VFS_PROBE_TIMEOUT_MS")
+    )
+    litestream_vfs_log_file: str | None = Field(
+        None, validation_alias=_env("ZERO_LITESTREAM_VFS_LOG_FILE")
+    )
+    litestream_log_level: Literal["debug", "info", "warn", "error"] = Field(
+        "warn", validation_alias=_env("ZERO_LITESTREAM_LOG_LEVEL")
+    )
+    litestream_backup_url: str | None = Field(
+        None, validation_alias=_env("ZERO_LITESTREAM_BACKUP_URL")
+    )
+    litestream_endpoint: str | None = Field(None, validation_alias=_env("ZERO_LITESTREAM_ENDPOINT"))
+    litestream_region: str | None = Field(None, validation_alias=_env("ZERO_LITESTREAM_REGION"))
+    litestream_port: int | None = Field(
+        None, ge=1, le=65535, validation_alias=_env("ZERO_LITESTREAM_PORT")
+    )
+    litestream_checkpoint_threshold_mb: FiniteFloat = Field(
+        40, gt=0, validation_alias=_env("ZERO_LITESTREAM_CHECKPOINT_THRESHOLD_MB")
+    )
+    litestream_min_checkpoint_page_count: int | None = Field(
+        None, ge=0, validation_alias=_env("ZERO_LITESTREAM_MIN_CHECKPOINT_PAGE_COUNT")
+    )
+    litestream_max_checkpoint_page_count: int | None = Field(
+        None, ge=0, validation_alias=_env("ZERO_LITESTREAM_MAX_CHECKPOINT_PAGE_COUNT")
+    )
+    litestream_incremental_backup_interval_minutes: FiniteFloat = Field(
+        15, gt=0, validation_alias=_env("ZERO_LITESTREAM_INCREMENTAL_BACKUP_INTERVAL_MINUTES")
+    )
+    litestream_snapshot_backup_interval_hours: FiniteFloat = Field(
+        12, gt=0, validation_alias=_env("ZERO_LITESTREAM_SNAPSHOT_BACKUP_INTERVAL_HOURS")
+    )
+    litestream_restore_parallelism: int = Field(
+        48, gt=0, validation_alias=_env("ZERO_LITESTREAM_RESTORE_PARALLELISM")
+    )
+    litestream_multipart_concurrency: int = Field(
+        48, gt=0, validation_alias=_env("ZERO_LITESTREAM_MULTIPART_CONCURRENCY")
+    )
+    litestream_multipart_size: int = Field(
+        16 * 1024 * 1024, gt=0, validation_alias=_env("ZERO_LITESTREAM_MULTIPART_SIZE")
+    )
+    # No backup progress for this long while the replica moved on: the backup is wedged.
+    backup_wedged_after_s: FiniteFloat = Field(
+        900, gt=0, validation_alias=_env("CHANGESTREAMER_BACKUP_WEDGED_AFTER_SECONDS")
+    )
+    # A snapshot reservation open longer than this is ended (it holds back purging).
+    reservation_max_s: FiniteFloat = Field(
+        14_400, gt=0, validation_alias=_env("CHANGESTREAMER_RESERVATION_MAX_SECONDS")
+    )
+    # Keep at least this much recent change log whatever the backups say (0: off).
+    change_log_retention_s: FiniteFloat = Field(
+        0, ge=0, validation_alias=_env("CHANGESTREAMER_CHANGE_LOG_RETENTION_SECONDS")
+    )
+    # Without a backup URL: how often the local replica's watermark is offered for purging.
+    replica_poll_interval_s: FiniteFloat = Field(
+        10, gt=0, validation_alias=_env("CHANGESTREAMER_REPLICA_POLL_INTERVAL_SECONDS")
+    )
+
     # With a Postgres upstream: keep ZERO_REPLICA_FILE current with an in-process backup
     # replicator (the file backups copy, and `changestreamer replicate` starts from).
     # zero-cache does this only when litestream backups are configured; off, the file
     # stays the initial snapshot and the service does about half the work per change.
-    follow_replica: bool = Field(
-        True, validation_alias=AliasChoices("CHANGESTREAMER_FOLLOW_REPLICA")
-    )
+    follow_replica: bool = Field(True, validation_alias=_env("CHANGESTREAMER_FOLLOW_REPLICA"))
     # Where SQLite group commits run: "process" (a writer process of their own, off
     # the event loop's GIL) or "thread" (aiosqlite's thread, in the service).
     sqlite_writer: Literal["process", "thread"] = Field(
-        "process", validation_alias=AliasChoices("CHANGESTREAMER_SQLITE_WRITER")
+        "process", validation_alias=_env("CHANGESTREAMER_SQLITE_WRITER")
     )
     demo_rate_per_s: float = Field(
-        10.0, gt=0, validation_alias=AliasChoices("CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND")
+        10.0, gt=0, validation_alias=_env("CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND")
     )
+
+    _startup_notes: tuple[str, ...] = PrivateAttr(default=())
 
     @field_validator("app_publications", mode="before")
     @classmethod
@@ -114,6 +221,19 @@ class Settings(BaseSettings):
             raise ValueError("must be one of debug, info, warn, error")
         return level
 
+    @field_validator("litestream_backup_url")
+    @classmethod
+    def _check_backup_url(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        if not value.startswith(("file://", "s3://")):
+            raise PydanticCustomError(
+                _WHOLE_LINE,
+                "ZERO_LITESTREAM_BACKUP_URL must be a file:// or s3:// URL (got {got})",
+                {"got": repr(_redact(value))},
+            )
+        return value
+
     @property
     def shard(self) -> Shard:
         return Shard(self.app_id, self.shard_num)
@@ -122,6 +242,11 @@ class Settings(BaseSettings):
     def listen_port(self) -> int:
         """The change-streamer's port: ``ZERO_CHANGE_STREAMER_PORT``, else ``ZERO_PORT + 1``."""
         return self.change_streamer_port or self.port + 1
+
+    @property
+    def litestream_port_resolved(self) -> int:
+        """litestream's metrics port: ``ZERO_LITESTREAM_PORT``, else ``ZERO_PORT + 2``."""
+        return self.litestream_port or self.port + 2
 
     @property
     def development(self) -> bool:
@@ -140,18 +265,137 @@ class Settings(BaseSettings):
             return self.change_db
         return str(self.replica_file.with_name(f"{self.shard.name}-cdc.db"))
 
+    @property
+    def startup_notes(self) -> tuple[str, ...]:
+        """Lines to log at INFO on start: the settings that were set but are not used here.
 
-def load_settings(**overrides: Any) -> Settings:
-    """Reads the settings, or raises ``SettingsError`` with one line per the first problem."""
+        Made by :func:`app.zero_settings.startup_notes` from what ``load_settings`` read
+        (environment and ``.env``).
+        """
+        return self._startup_notes
+
+
+def _names(settings_cls: type[BaseModel]) -> frozenset[str]:
+    names: set[str] = set()
+    for field in settings_cls.model_fields.values():
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            names.update(choice for choice in alias.choices if isinstance(choice, str))
+        elif isinstance(alias, str):
+            names.add(alias)
+    return frozenset(names)
+
+
+# The environment variables Settings reads.
+SETTING_NAMES: Final = _names(Settings)
+# Every name accepted in the environment (the catalog's categories decide what it does).
+KNOWN_NAMES: Final = frozenset(
+    SETTING_NAMES | CATALOG.keys() | OUTSIDE_OPTIONS.keys() | OWN_EXTENSIONS.keys()
+)
+# The test suite's and scripts' own variables (CHANGESTREAMER_TEST_PG_URL, …): no settings,
+# but they reach `changestreamer serve` through inherited environments.
+_NOT_SETTINGS_PREFIX: Final = "CHANGESTREAMER_TEST_"
+
+
+def read_environment(
+    environ: Mapping[str, str] | None = None, env_file: str | Path | None = ".env"
+) -> dict[str, str | None]:
+    """The variables settings come from: ``env_file`` (if it exists), then ``environ``
+    (default ``os.environ``) over it. A ``.env`` line without ``=`` has the value None."""
+    merged: dict[str, str | None] = {}
+    if env_file is not None and Path(env_file).is_file():
+        merged.update(dotenv_values(env_file, encoding="utf-8"))
+    merged.update(os.environ if environ is None else environ)
+    return merged
+
+
+def load_settings(
+    *,
+    environ: Mapping[str, str] | None = None,
+    env_file: str | Path | None = ".env",
+    **overrides: Any,
+) -> Settings:
+    """Reads the settings, or raises ``SettingsError`` with one line for the first problem.
+
+    ``environ`` and ``env_file`` are where settings come from (see ``read_environment``);
+    ``overrides`` (by variable name, e.g. ``ZERO_APP_ID="x"``) win over both.
+    """
+    env = read_environment(environ, env_file)
+    _check_names(env)
+    values: dict[str, Any] = {k: v for k, v in env.items() if k in SETTING_NAMES and v}
+    values.update(overrides)
     try:
-        settings = Settings(**overrides)
+        settings = Settings(**values)
         _ = settings.shard  # validates the app ID
-        return settings
     except ValidationError as e:
         first = e.errors()[0]
+        if first["type"] == _WHOLE_LINE:
+            raise SettingsError(first["msg"]) from None
         where = ".".join(str(p) for p in first["loc"]) or "settings"
         raise SettingsError(
             f"invalid setting {where}: {first['msg']} (got {first.get('input')!r})"
         ) from None
     except (ValueError, ChangeDbConfigError) as e:
         raise SettingsError(f"invalid setting: {e}") from None
+    settings._startup_notes = tuple(startup_notes(env))
+    return settings
+
+
+def check_change_db_directory(settings: Settings) -> None:
+    """Refuses a SQLite change DB whose directory does not exist.
+
+    Nothing should create it silently: a missing directory is usually a typo or an
+    unmounted volume, and a change log there would vanish with the container.
+    """
+    try:
+        url = parse_change_db_url(settings.change_db_url)
+    except ChangeDbConfigError:
+        return  # opening the change DB says what is wrong with the URL
+    if url.get_backend_name() != "sqlite" or not url.database:
+        return
+    directory = Path(url.database).parent.absolute()
+    if directory.is_dir():
+        return
+    if settings.change_db:
+        raise SettingsError(f"ZERO_CHANGE_DB: directory {directory} does not exist")
+    raise SettingsError(
+        f"ZERO_REPLICA_FILE: directory {directory} does not exist "
+        "(the default SQLite change DB goes beside the replica)"
+    )
+
+
+def _check_names(env: Mapping[str, str | None]) -> None:
+    for name in sorted(env):
+        prefix = name.upper()
+        if prefix.startswith(_NOT_SETTINGS_PREFIX):
+            continue
+        if prefix.startswith(("ZERO_", "CHANGESTREAMER_")) and name not in KNOWN_NAMES:
+            raise SettingsError(_unknown(name))
+    for name in sorted(env):
+        problem = refusal(name, env[name])
+        if problem is not None:
+            raise SettingsError(problem)
+
+
+def _unknown(name: str) -> str:
+    # Compared without the prefix, which every name shares and which would make any
+    # ZERO_ name "close" to many; upper-cased, so zero_port finds ZERO_PORT.
+    stems = {_stem(known): known for known in sorted(KNOWN_NAMES)}
+    close = difflib.get_close_matches(_stem(name.upper()), stems, n=1, cutoff=0.6)
+    if close:
+        return f"unknown setting {name} (did you mean {stems[close[0]]}?)"
+    if name.upper().startswith("ZERO_"):
+        return f"unknown setting {name}: not a zero-cache 1.9.0 setting"
+    return f"unknown setting {name}: not a changestreamer setting"
+
+
+def _stem(name: str) -> str:
+    for prefix in ("ZERO_", "CHANGESTREAMER_"):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def _redact(text: str) -> str:
+    """A URL for messages: any password replaced by ***."""
+    return re.sub(r"://([^:/@]+):[^@/]*@", r"://\1:***@", text)

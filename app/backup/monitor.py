@@ -46,6 +46,7 @@ class BackupMonitor:
         *,
         wedged_after_s: float,
         check_interval_s: float = DEFAULT_CHECK_INTERVAL_S,
+        on_coverage_target: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._watermarks = watermarks
@@ -54,6 +55,7 @@ class BackupMonitor:
         self._wedged_after_s = wedged_after_s
         self._check_interval_s = check_interval_s
         self._clock = clock
+        self._on_coverage_target = on_coverage_target
         self.latest: BackedUpWatermark | None = None
         self.coverage_target: str | None = None
         self.covered = asyncio.Event()
@@ -72,6 +74,8 @@ class BackupMonitor:
             log.warning("cannot read the replica's state: the first backup opens readiness")
         else:
             log.info("waiting for a backup that covers the replica at %s", self.coverage_target)
+            if self._on_coverage_target is not None:
+                self._on_coverage_target(self.coverage_target)
         checker = asyncio.create_task(self._check_loop(), name="backup wedge check")
         try:
             async for backed_up in self._watermarks:

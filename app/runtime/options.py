@@ -16,6 +16,9 @@ def streamer_options(settings: Settings) -> StreamerOptions:
         timeout_proportion=settings.consensus_timeout_proportion,
         slow_subscriber_grace_s=settings.slow_subscriber_grace_s,
         auto_reset=settings.auto_reset,
+        backup_url=settings.litestream_backup_url,
+        reservation_max_s=settings.reservation_max_s,
+        replica_file=str(settings.replica_file) if settings.upstream_db else None,
     )
 
 

@@ -30,13 +30,14 @@ import psycopg
 from app.config import Settings
 from app.replica.schema import ReplicaState, read_replica_state, remove_replica_files
 from app.runtime.backup_replicator import BackupReplicator
+from app.runtime.backups import RestoreError, restore_if_missing
 from app.runtime.options import streamer_options, task_id
 from app.sources.postgres.errors import AutoResetRequired, ShardSetupError
 from app.sources.postgres.initial_sync import InitialSyncError, initial_sync
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import ReplicaRow, check_replica
 from app.sources.postgres.source import PostgresChangeSource, PostgresSourceOptions
-from app.storage import ChangeDb, Replication, SubscriptionState
+from app.storage import ChangeDb, Replication, ReplicationConfig, SubscriptionState
 from app.streamer.service import ChangeStreamerService
 
 __all__ = [
@@ -89,8 +90,11 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
         shard_num=settings.shard_num,
         publications=tuple(settings.app_publications),
     )
-    existing = await Replication(db).config()
+    replication = Replication(db)
+    existing = await replication.config()
     reset_required = existing is not None and existing.reset_required
+    if not reset_required:
+        await _restore_if_missing(settings, replication, existing)
     try:
         state, row = await _prepare_replica(
             upstream,
@@ -183,6 +187,25 @@ async def _prepare_replica(
     await initial_sync(upstream, cfg, replica_file)
     state = read_replica_state(replica_file)
     return state, await _check(upstream, cfg, state.replica_version)
+
+
+async def _restore_if_missing(
+    settings: Settings, replication: Replication, existing: ReplicationConfig | None
+) -> None:
+    """A replacement node restores the backup instead of re-syncing (which would reset
+    the change log every view-syncer follows)."""
+    state = await replication.state()
+    owner = state.owner_address if state is not None and state.owner != settings.task_id else None
+    try:
+        await restore_if_missing(
+            settings,
+            replica_version=existing.replica_version if existing is not None else None,
+            owner_address=owner,
+        )
+    except RestoreError as e:
+        if not settings.auto_reset:
+            raise UpstreamSetupError(f"{e}; enable ZERO_AUTO_RESET to re-sync instead") from e
+        log.warning("%s: re-syncing the replica from upstream instead (ZERO_AUTO_RESET)", e)
 
 
 async def _check(upstream: str, cfg: ShardConfig, replica_version: str) -> ReplicaRow:

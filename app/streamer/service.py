@@ -197,6 +197,8 @@ class ChangeStreamerService:
         self.backup_state: BackupState | None = None
         self._durable_at: deque[tuple[str, float]] = deque(maxlen=DURABLE_HISTORY)
         self.serving_started = asyncio.Event()
+        # Set once this task owns the change log (purges check that ownership).
+        self.owning = asyncio.Event()
         self.running = False
         self.transactions = 0
         self.changes = 0
@@ -219,6 +221,7 @@ class ChangeStreamerService:
             self._latest_lag_report = first
         try:
             await self.replication.assume_ownership(self.task_id, self._address)
+            self.owning.set()
             while not self._stopped.is_set():
                 error = await self._stream_once()
                 if self._stopped.is_set():

@@ -1,0 +1,287 @@
+"""Backups for ``serve``: which poller, litestream, the monitor, and the restore path.
+
+Per configuration (wire.md §6, written down in docs/architecture.md):
+
+* **A backup URL** (``ZERO_LITESTREAM_BACKUP_URL``, Postgres upstream): litestream
+  v0.5 backs the replica up as a child process; the ``VfsPoller`` reads the
+  *destination* back through the litestream VFS, so every watermark the streamer
+  purges or reserves at is one a restore really gets. ``/ready`` waits until the
+  backup covers the replica (the coverage gate) and says so when it is wedged.
+* **No backup URL**: the ``ReplicaPoller`` offers the local position — the
+  replica's ``stateVersion`` when the service keeps its replica current, else the
+  change log's durable watermark (demo source, ``CHANGESTREAMER_FOLLOW_REPLICA=false``)
+  — every ``CHANGESTREAMER_REPLICA_POLL_INTERVAL_SECONDS``, so the change log is
+  purged below what every subscriber has acknowledged in every configuration.
+
+zero-cache 1.9.0's default backup mode (``ZERO_LITESTREAM_BACKUP_USING_V5=false``)
+needs rocicorp's litestream v0.3 fork and its Prometheus progress metric; we back
+up with the official v0.5 in both cases (view-syncers restore v0.5 backups with
+``ZERO_LITESTREAM_EXECUTABLE_V5``), and say so at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.backup.config import BackupConfigError, LitestreamOptions, find_executable
+from app.backup.monitor import BackupMonitor
+from app.backup.process import LitestreamRunner, check_version
+from app.backup.restore import Restored, RestoreError, restore_replica
+from app.backup.watermarks import (
+    LocalState,
+    ReplicaPoller,
+    VfsPoller,
+    VfsProbe,
+    read_local_state,
+)
+from app.config import Settings
+from app.streamer.service import ChangeStreamerService
+
+__all__ = [
+    "BackupConfigError",
+    "Backups",
+    "RestoreError",
+    "check_backup_settings",
+    "litestream_options",
+    "restore_if_missing",
+    "start_backups",
+    "vfs_extension",
+]
+
+log = logging.getLogger(__name__)
+
+# How long a new node waits for the current owner to confirm a reservation.
+OWNER_RESERVATION_TIMEOUT_S = 10.0
+
+
+def litestream_options(settings: Settings, replica_file: Path | None = None) -> LitestreamOptions:
+    """The settings' litestream options for ``replica_file`` (default ZERO_REPLICA_FILE)."""
+    if not settings.litestream_backup_url:
+        raise BackupConfigError("ZERO_LITESTREAM_BACKUP_URL is not set")
+    return LitestreamOptions(
+        executable=find_executable(settings.litestream_executable),
+        replica_file=(replica_file or settings.replica_file).absolute(),
+        backup_url=settings.litestream_backup_url,
+        endpoint=settings.litestream_endpoint,
+        region=settings.litestream_region,
+        port=settings.litestream_port_resolved,
+        checkpoint_threshold_mb=settings.litestream_checkpoint_threshold_mb,
+        min_checkpoint_page_count=settings.litestream_min_checkpoint_page_count,
+        max_checkpoint_page_count=settings.litestream_max_checkpoint_page_count,
+        incremental_backup_interval_minutes=settings.litestream_incremental_backup_interval_minutes,
+        snapshot_backup_interval_hours=settings.litestream_snapshot_backup_interval_hours,
+        restore_parallelism=settings.litestream_restore_parallelism,
+        multipart_concurrency=settings.litestream_multipart_concurrency,
+        multipart_size=settings.litestream_multipart_size,
+        log_level=settings.litestream_log_level,
+        log_format=settings.log_format,
+        config_path=Path(settings.litestream_config_path)
+        if settings.litestream_config_path
+        else None,
+    )
+
+
+def vfs_extension(settings: Settings) -> Path:
+    """``ZERO_LITESTREAM_VFS_EXTENSION_PATH``, else the one ``litestream-vfs`` installed."""
+    if settings.litestream_vfs_extension_path:
+        path = Path(settings.litestream_vfs_extension_path)
+        if not path.is_file():
+            raise BackupConfigError(f"ZERO_LITESTREAM_VFS_EXTENSION_PATH {path} does not exist")
+        return path
+    try:
+        import litestream_vfs  # type: ignore[import-untyped]
+    except ImportError:
+        raise BackupConfigError(
+            "the litestream VFS extension is missing: install litestream-vfs or set "
+            "ZERO_LITESTREAM_VFS_EXTENSION_PATH"
+        ) from None
+    return Path(litestream_vfs.loadable_path())
+
+
+async def check_backup_settings(settings: Settings) -> list[str]:
+    """Refuses backup settings that cannot work (one line); returns start-up notes."""
+    if not settings.litestream_backup_url:
+        return []
+    if not settings.upstream_db:
+        raise BackupConfigError(
+            "ZERO_LITESTREAM_BACKUP_URL needs a Postgres upstream (ZERO_UPSTREAM_DB): "
+            "the demo source has no replica to back up"
+        )
+    if not settings.follow_replica:
+        raise BackupConfigError(
+            "ZERO_LITESTREAM_BACKUP_URL needs CHANGESTREAMER_FOLLOW_REPLICA=true: "
+            "a backup of a replica nobody keeps current is no backup"
+        )
+    options = litestream_options(settings)
+    version = await check_version(options.executable)
+    # View-syncers restore with ZERO_LITESTREAM_EXECUTABLE_V5; when this one is set
+    # too (one environment for both roles), it must be a v0.5 as well.
+    if settings.litestream_executable_v5:
+        await check_version(Path(settings.litestream_executable_v5))
+    vfs_extension(settings)
+    notes = [f"backups: litestream {version} ({options.executable}) to {options.backup_url}"]
+    if not settings.litestream_backup_using_v5:
+        notes.append(
+            "backups: ZERO_LITESTREAM_BACKUP_USING_V5 is false (zero's default, which means "
+            "rocicorp's litestream v0.3 fork); this service backs up with litestream v0.5, "
+            "which view-syncers restore with ZERO_LITESTREAM_EXECUTABLE_V5"
+        )
+    return notes
+
+
+@dataclass(slots=True)
+class Backups:
+    """The backup side of one service: tasks that end when the service stops."""
+
+    monitor: BackupMonitor
+    runner: LitestreamRunner | None = None
+    poller: VfsPoller | ReplicaPoller | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stopper: asyncio.Task[None] | None = None
+
+    def stats(self) -> dict[str, object]:
+        stats = self.monitor.stats()
+        if self.runner is not None:
+            state = self.runner.state
+            stats["litestream"] = {
+                "pid": state.pid,
+                "starts": state.starts,
+                "lastExit": state.last_exit,
+                "recentErrors": list(state.recent_errors)[-3:],
+            }
+        if isinstance(self.poller, VfsPoller):
+            stats["probeFailures"] = self.poller.failures
+            stats["probeError"] = self.poller.last_error
+        return stats
+
+    @property
+    def problem(self) -> str | None:
+        return self.monitor.problem
+
+    async def stop(self) -> None:
+        if self.poller is not None:
+            self.poller.stop()
+        if self.runner is not None:
+            await self.runner.stop()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def start_backups(
+    service: ChangeStreamerService, settings: Settings, *, replica_file: Path | None
+) -> Backups:
+    """Starts what this configuration needs (module docstring); stops with the service."""
+
+    def local() -> LocalState | None:
+        if replica_file is not None and settings.follow_replica:
+            return read_local_state(replica_file)
+        return LocalState(service.storer.durable)
+
+    runner: LitestreamRunner | None = None
+    poller: VfsPoller | ReplicaPoller
+    if settings.litestream_backup_url and replica_file is not None:
+        options = litestream_options(settings, replica_file)
+        runner = LitestreamRunner(options)
+        probe = VfsProbe(
+            options.vfs_url(),
+            vfs_extension(settings),
+            timeout_s=settings.litestream_vfs_probe_timeout_ms / 1000,
+            log_file=settings.litestream_vfs_log_file,
+        )
+        poller = VfsPoller(probe, local, settings.litestream_vfs_probe_interval_ms / 1000)
+        wedged_after_s = settings.backup_wedged_after_s
+    else:
+        poller = ReplicaPoller(local, settings.replica_poll_interval_s)
+        wedged_after_s = float("inf")  # nothing to wedge: the position is local
+    monitor = BackupMonitor(
+        poller,
+        service.track_backup_watermark,
+        local,
+        wedged_after_s=wedged_after_s,
+        on_coverage_target=lambda target: setattr(service, "coverage_target", target),
+    )
+    backups = Backups(monitor, runner, poller)
+    service.backup_state = backups
+
+    async def run_monitor() -> None:
+        # Purges check ownership: a watermark tracked before this task owns the
+        # change log would end in "ownership has been taken". Start once it owns it.
+        owning = asyncio.ensure_future(service.owning.wait())
+        stopped = asyncio.ensure_future(service.stopped.wait())
+        try:
+            await asyncio.wait({owning, stopped}, return_when="FIRST_COMPLETED")
+        finally:
+            owning.cancel()
+            stopped.cancel()
+        if not service.owning.is_set():
+            return
+        try:
+            await monitor.run()
+        except Exception:
+            log.exception("the backup monitor failed")
+
+    async def stop_with_service() -> None:
+        await service.stopped.wait()
+        await backups.stop()
+
+    if runner is not None:
+        backups._tasks.append(asyncio.create_task(runner.run(), name="litestream"))
+    backups._tasks.append(asyncio.create_task(run_monitor(), name="backup monitor"))
+    # Not in _tasks: it is what stops them.
+    backups._stopper = asyncio.create_task(stop_with_service(), name="backups stop")
+    return backups
+
+
+async def restore_if_missing(
+    settings: Settings, *, replica_version: str | None, owner_address: str | None
+) -> Restored | None:
+    """Restores ZERO_REPLICA_FILE from the backup when it is missing (zero-cache's way).
+
+    ``replica_version`` (the change DB's) must match the backup's; with an
+    ``owner_address`` (another node owns the change log) a snapshot reservation
+    is held on it during the restore, so it does not purge what we will need.
+    None: no backup URL, a replica file exists, or the destination is empty.
+    """
+    if not settings.litestream_backup_url or settings.replica_file.exists():
+        return None
+    options = litestream_options(settings)
+    async with _reservation_on(owner_address, settings) as reserved:
+        if reserved is not None:
+            log.info("holding a snapshot reservation on %s during the restore", owner_address)
+        restored = await restore_replica(options, replica_version=replica_version)
+    if restored is None:
+        log.info("no backup at %s yet: the replica is synced from upstream", options.backup_url)
+    return restored
+
+
+@contextlib.asynccontextmanager
+async def _reservation_on(address: str | None, settings: Settings) -> Any:
+    if not address:
+        yield None
+        return
+    from app.client import ChangeStreamerClient
+    from app.client.discovery import address_to_url
+
+    client = ChangeStreamerClient(address_to_url(address), open_timeout_s=5.0)
+    task_id = settings.task_id or "changestreamer-restore"
+    followup = None
+    try:
+        _status, followup = await asyncio.wait_for(
+            client.reserve_snapshot(task_id), OWNER_RESERVATION_TIMEOUT_S
+        )
+    except Exception as e:  # an old owner that is gone is the usual case
+        log.info("no snapshot reservation on the current owner %s: %s", address, e)
+    try:
+        yield followup
+    finally:
+        if followup is not None:
+            with contextlib.suppress(Exception):
+                await followup.cancel()
