@@ -179,6 +179,13 @@ class Settings(BaseModel):
     change_log_retention_s: FiniteFloat = Field(
         0, ge=0, validation_alias=_env("CHANGESTREAMER_CHANGE_LOG_RETENTION_SECONDS")
     )
+    # How long a backed-up watermark waits before the change log is purged to it: time
+    # for subscribers that just lost their connection to come back and show their
+    # position (zero: 30 s, 3 × its clients' longest retry delay). Grown at run time
+    # to the longest snapshot reservation seen.
+    purge_delay_s: FiniteFloat = Field(
+        30, ge=0, validation_alias=_env("CHANGESTREAMER_PURGE_DELAY_SECONDS")
+    )
     # Without a backup URL: how often the local replica's watermark is offered for purging.
     replica_poll_interval_s: FiniteFloat = Field(
         10, gt=0, validation_alias=_env("CHANGESTREAMER_REPLICA_POLL_INTERVAL_SECONDS")

@@ -193,6 +193,8 @@ def parse_line(line: str) -> tuple[int, str]:
             rest = " ".join(f"{k}={v}" for k, v in record.items())
             return level, f"{msg} {rest}".strip()
         return logging.INFO, line
+    if line.startswith("Error:"):  # litestream's last word before it exits
+        return logging.ERROR, line
     match = _TEXT_LEVEL.search(line)
     level = _LEVELS.get(match.group(1).upper(), logging.INFO) if match else logging.INFO
     text = _TEXT_TIME.sub("", line)

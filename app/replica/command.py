@@ -41,6 +41,10 @@ def add_replicate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--id", dest="subscriber_id", help="subscriber id (default replicate-<pid>)"
     )
+    parser.add_argument(
+        "--task-id",
+        help="the task whose snapshot reservation this subscription ends (after a restore)",
+    )
 
 
 def run_replicate(args: argparse.Namespace) -> int:
@@ -56,7 +60,14 @@ def run_replicate(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        asyncio.run(_replicate(args.url, replica, args.subscriber_id or f"replicate-{os.getpid()}"))
+        asyncio.run(
+            _replicate(
+                args.url,
+                replica,
+                args.subscriber_id or f"replicate-{os.getpid()}",
+                args.task_id,
+            )
+        )
     except ResyncRequiredError as e:
         print(f"changestreamer replicate: {e}", file=sys.stderr)
         return 3
@@ -66,7 +77,7 @@ def run_replicate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _replicate(url: str, replica: Path, subscriber_id: str) -> None:
+async def _replicate(url: str, replica: Path, subscriber_id: str, task_id: str | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -80,5 +91,7 @@ async def _replicate(url: str, replica: Path, subscriber_id: str) -> None:
             log.info("replicated %d transactions", commits)
 
     log.info("replicating %s into %s", url, replica)
-    await run_replicator(url, replica, subscriber_id=subscriber_id, stop=stop, on_commit=count)
+    await run_replicator(
+        url, replica, subscriber_id=subscriber_id, stop=stop, task_id=task_id, on_commit=count
+    )
     log.info("stopped after %d transactions", commits)

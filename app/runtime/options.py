@@ -19,6 +19,8 @@ def streamer_options(settings: Settings) -> StreamerOptions:
         backup_url=settings.litestream_backup_url,
         reservation_max_s=settings.reservation_max_s,
         replica_file=str(settings.replica_file) if settings.upstream_db else None,
+        purge_delay_s=settings.purge_delay_s,
+        change_log_retention_s=settings.change_log_retention_s,
     )
 
 

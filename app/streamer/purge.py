@@ -33,15 +33,52 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Final
 
 from app.storage.errors import AbortError, PurgeLockedError
 from app.streamer.timers import TimerHandle, Timers
 
-__all__ = ["CLEANUP_DELAY_S", "Purger"]
+__all__ = ["CLEANUP_DELAY_S", "CommitClock", "Purger"]
 
 CLEANUP_DELAY_S: Final = 30.0
+# Samples a CommitClock keeps over its retention window, at most.
+CLOCK_SAMPLES: Final = 1024
+
+
+class CommitClock:
+    """When commits became durable, coarsely: the time-based retention floor.
+
+    ``record`` keeps one ``(time, watermark)`` sample per ``retention / 1024``
+    seconds, so memory stays bounded at any commit rate. ``floor`` is the newest
+    sampled watermark that is older than the retention: everything below it is
+    older too. None until such a sample exists (after a restart the whole log is
+    kept for one retention period: the clock does not know older commit times).
+    """
+
+    def __init__(self, retention_s: float, clock: Callable[[], float]) -> None:
+        self.retention_s = retention_s
+        self._clock = clock
+        self._spacing_s = retention_s / CLOCK_SAMPLES
+        self._samples: deque[tuple[float, str]] = deque()
+
+    def record(self, watermark: str) -> None:
+        now = self._clock()
+        if self._samples and now - self._samples[-1][0] < self._spacing_s:
+            return
+        self._samples.append((now, watermark))
+        cutoff = now - self.retention_s
+        # Keep one sample older than the cutoff: it is the floor.
+        while len(self._samples) > 1 and self._samples[1][0] <= cutoff:
+            self._samples.popleft()
+
+    def floor(self) -> str | None:
+        cutoff = self._clock() - self.retention_s
+        if not self._samples or self._samples[0][0] > cutoff:
+            return None
+        older = [w for t, w in self._samples if t <= cutoff]
+        return older[-1]
 
 
 class Purger:
@@ -57,6 +94,7 @@ class Purger:
         delay_s: float | Callable[[], float] = CLEANUP_DELAY_S,
         paused: Callable[[], str | None] = lambda: None,
         named_acks: Callable[[], Iterable[tuple[str, str]]] | None = None,
+        retention: CommitClock | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
@@ -67,6 +105,7 @@ class Purger:
         self._delay = delay_s if callable(delay_s) else (lambda: float(delay_s))
         self._paused = paused
         self._named_acks = named_acks
+        self._retention = retention
         self._on_fatal = on_fatal
         self._log = logger or logging.getLogger(__name__)
         self._stopped = False
@@ -162,13 +201,16 @@ class Purger:
             self.floor_holder = reason
             self._log.info("change log purge paused: %s", reason)
             return
-        floor, holder = min(
-            [
-                (backup, "backup"),
-                *self._acks_with_names(),
-                *((w, "reservation") for w in self._reserved()),
-            ]
-        )
+        candidates = [
+            (backup, "backup"),
+            *self._acks_with_names(),
+            *((w, "reservation") for w in self._reserved()),
+        ]
+        if self._retention is not None:
+            kept = self._retention.floor()
+            # Nothing old enough yet: the retention keeps the whole log.
+            candidates.append((kept or "", f"retention of {self._retention.retention_s:g} s"))
+        floor, holder = min(candidates)
         self.floor, self.floor_holder = floor, holder
         if floor < backup and floor != self._last_floor:
             self._log.info(

@@ -61,7 +61,7 @@ from app.streamer.acker import UpstreamAcker
 from app.streamer.downstream import DEFAULT_MAX_UNCONSUMED_BYTES, Downstream
 from app.streamer.forwarder import Forwarder
 from app.streamer.pump import Pump
-from app.streamer.purge import CLEANUP_DELAY_S, Purger
+from app.streamer.purge import CLEANUP_DELAY_S, CommitClock, Purger
 from app.streamer.reservations import DEFAULT_MAX_OPEN_S, Reservation, SnapshotReservations
 from app.streamer.rowrun import encode_rows
 from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, Storer
@@ -112,6 +112,10 @@ class StreamerOptions:
     reservation_max_s: float = DEFAULT_MAX_OPEN_S
     # The replica backups are made of; its size goes into reservation statuses.
     replica_file: str | None = None
+    # Before purging to a backed-up watermark, wait at least this long.
+    purge_delay_s: float = CLEANUP_DELAY_S
+    # Keep at least this much recent change log, whatever else allows (0: off).
+    change_log_retention_s: float = 0.0
 
 
 class BackupState(Protocol):
@@ -162,6 +166,11 @@ class ChangeStreamerService:
             back_pressure_bytes=self.options.back_pressure_bytes,
             statement_timeout_s=self.options.statement_timeout_s,
         )
+        self._commit_clock = (
+            CommitClock(self.options.change_log_retention_s, self._timers.monotonic)
+            if self.options.change_log_retention_s > 0
+            else None
+        )
         self.reservations = SnapshotReservations(
             self.replication.change_log_state,
             self.options.backup_url,
@@ -177,9 +186,10 @@ class ChangeStreamerService:
             # Grown to the longest reservation → subscribe time seen (seed 001), and
             # paused while any reservation is open: a view-syncer restoring an older
             # backup must still find the changes after it.
-            delay_s=lambda: max(CLEANUP_DELAY_S, self.reservations.longest_completed_s),
+            delay_s=lambda: max(self.options.purge_delay_s, self.reservations.longest_completed_s),
             paused=self._purge_pause_reason,
             named_acks=self.forwarder.named_acks,
+            retention=self._commit_clock,
             on_fatal=self._on_fatal,
         )
         self._backoff = Backoff(self.options.backoff_initial_s, self.options.backoff_max_s)
@@ -594,6 +604,8 @@ class ChangeStreamerService:
 
     def _on_durable(self, watermark: str) -> None:
         self._durable_at.append((watermark, self._timers.monotonic()))
+        if self._commit_clock is not None:
+            self._commit_clock.record(watermark)
         self.acker.track_change_log(watermark)
 
     @property

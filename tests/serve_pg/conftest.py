@@ -67,6 +67,9 @@ class Serve:
             "ZERO_REPLICA_FILE": str(self.replica_file),
             "ZERO_APP_ID": APP_ID,
             "ZERO_SHARD_NUM": "0",
+            # Tests here read every stored transaction back from the change log, so
+            # nothing is purged during them; test_backups sets its own delay.
+            "CHANGESTREAMER_PURGE_DELAY_SECONDS": "3600",
             **env,
         }
         self.proc: subprocess.Popen[bytes] | None = None

@@ -21,7 +21,7 @@ from app.storage import (
     migrate,
     parse_change_db_url,
 )
-from app.streamer.purge import CLEANUP_DELAY_S, Purger
+from app.streamer.purge import CLEANUP_DELAY_S, CommitClock, Purger
 from app.streamer.timers import ManualTimers
 
 BEHIND = "At least one client is behind backup"
@@ -478,5 +478,42 @@ async def test_the_floor_names_the_subscriber_that_holds_it() -> None:
         assert purge.calls == ["04"]
         assert (purger.floor, purger.floor_holder) == ("04", "subscriber view-syncer-2")
         assert (purger.passes, purger.deleted) == (1, 1)
+    finally:
+        await purger.stop()
+
+
+# -- time-based retention ------------------------------------------------------------
+
+
+def test_the_commit_clock_floor_is_the_newest_sample_older_than_the_retention() -> None:
+    now = [0.0]
+    clock = CommitClock(100.0, lambda: now[0])
+    assert clock.floor() is None
+    for i in range(300):  # one commit per second for five minutes
+        now[0] = float(i)
+        clock.record(f"{i:04d}")
+    assert clock.floor() == "0199"  # committed at t=199, 100 s before t=299
+    assert len(clock._samples) <= 110  # bounded: older samples are dropped
+    now[0] = 1000.0
+    assert clock.floor() == "0299"
+
+
+async def test_retention_holds_the_floor_until_commits_are_old_enough() -> None:
+    timers = ManualTimers()
+    purge = FakePurge()
+    retention = CommitClock(60.0, timers.monotonic)
+    purger = Purger(purge, lambda: [], list, timers, retention=retention)
+    try:
+        retention.record("03")
+        purger.track_backup_watermark("05")
+        timers.advance(CLEANUP_DELAY_S)
+        await purger.idle()
+        assert purge.calls == []  # nothing is 60 s old yet
+        assert purger.floor_holder == "retention of 60 s"
+        retention.record("05")
+        timers.advance(CLEANUP_DELAY_S)  # t=60: "03" is old enough
+        await purger.idle()
+        assert purge.calls == ["03"]
+        assert purger.floor_holder == "retention of 60 s"
     finally:
         await purger.stop()

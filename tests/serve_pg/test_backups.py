@@ -1,0 +1,254 @@
+"""Backups end to end: Postgres → ``serve`` → litestream → a restored second replica.
+
+Real parts only: the ``changestreamer`` console script, a scratch Postgres
+database, litestream v0.5 child processes backing up to a local directory, the
+VFS read-back, ``changestreamer restore`` and ``changestreamer replicate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from app.client import ChangeStreamerClient
+from tests.serve_pg.conftest import (
+    SERVE,
+    Serve,
+    ServeFactory,
+    Writer,
+    create_workload_schema,
+    eventually,
+    free_port,
+    lite_rows,
+    replica_versions,
+    wait_until_replica_matches,
+)
+
+TASK = "view-syncer-7"
+
+
+def backup_env(backup_url: str, **extra: str) -> dict[str, str]:
+    return {
+        "ZERO_LITESTREAM_BACKUP_URL": backup_url,
+        # Uploads every 0.3 s and probes every 0.1 s: the tests wait on them.
+        "ZERO_LITESTREAM_INCREMENTAL_BACKUP_INTERVAL_MINUTES": "0.005",
+        "ZERO_LITESTREAM_VFS_PROBE_INTERVAL_MS": "100",
+        "ZERO_LITESTREAM_PORT": str(free_port()),
+        "ZERO_LITESTREAM_LOG_LEVEL": "info",
+        "ZERO_TASK_ID": "rm-1",
+        "CHANGESTREAMER_PURGE_DELAY_SECONDS": "0.5",
+        **extra,
+    }
+
+
+def ready_status(serve: Serve) -> tuple[int | None, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{serve.port}/ready", timeout=2) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except OSError:
+        return None, {}
+
+
+def statz(serve: Serve) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{serve.port}/statz?format=json"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        data: dict[str, Any] = json.loads(r.read())
+        return data
+
+
+def change_log_min(serve: Serve) -> str | None:
+    rows = lite_rows(serve.change_db_file, 'SELECT min(watermark) FROM "changeLog"')
+    value: str | None = rows[0][0]
+    return value
+
+
+def change_log_rows(serve: Serve) -> int:
+    return int(lite_rows(serve.change_db_file, 'SELECT count(*) FROM "changeLog"')[0][0])
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_", "CHANGESTREAMER_"))}
+    return subprocess.run(
+        [str(SERVE), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+async def test_ready_waits_for_a_backup_that_covers_the_replica(
+    upstream: str, serve_factory: ServeFactory, tmp_path: Path
+) -> None:
+    # A destination that cannot be created (its parent is a file) keeps the backup
+    # empty; /ready must say why it is not ready until the backup reaches the replica.
+    blocker = tmp_path / "blocked"
+    blocker.write_text("not a directory")
+    await create_workload_schema(upstream)
+    serve = serve_factory(upstream, **backup_env(f"file://{blocker}/backup"))
+    serve.start()
+    await serve.wait_output(r"waiting for a backup that covers the replica at")
+
+    async def not_ready_for_the_backup() -> bool:
+        code, body = ready_status(serve)
+        return code == 503 and "waiting for a backup" in body.get("reason", "")
+
+    await eventually(not_ready_for_the_backup, "/ready to wait for the backup")
+    await asyncio.sleep(2)  # litestream retries meanwhile; still nothing to read back
+    code, body = ready_status(serve)
+    assert code == 503, body
+    _, state_version = replica_versions(serve.replica_file)
+    assert state_version in body["reason"]
+
+    blocker.unlink()  # the destination becomes writable
+    await serve.wait_ready()
+    stats = statz(serve)["backup"]
+    assert stats["covered"] is True
+    assert stats["backupWatermark"] >= state_version
+    await serve.terminate()
+
+
+async def test_a_reserved_restore_catches_up_with_no_gap_while_writes_continue(
+    upstream: str, serve_factory: ServeFactory, tmp_path: Path
+) -> None:
+    backup = tmp_path / "backup"
+    await create_workload_schema(upstream)
+    serve = serve_factory(upstream, **backup_env(f"file://{backup}"))
+    serve.start()
+    await serve.wait_ready()
+    writer = Writer(upstream, big_at=10, big_rows=500)
+    writer.start()
+    try:
+        await writer.wait_stored(serve.change_db_file, 20)
+        client = ChangeStreamerClient(f"ws://127.0.0.1:{serve.port}")
+        status, followup = await client.reserve_snapshot(TASK)
+        replica_version, _ = replica_versions(serve.replica_file)
+        assert status.replica_version == replica_version
+        assert status.backup_url == f"file://{backup}"
+        assert status.body["replicaSize"] > 0  # the replica's bytes, when reserved
+        reserved = status.min_watermark
+
+        # Restore a second replica while the reservation holds and writes go on.
+        second = tmp_path / "second" / "replica.db"
+        second.parent.mkdir()
+        done = await asyncio.to_thread(
+            cli,
+            "restore",
+            "--backup-url",
+            status.backup_url,
+            "--replica",
+            str(second),
+            "--replica-version",
+            replica_version,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr
+        restored_version, restored_at = replica_versions(second)
+        assert restored_version == replica_version
+        assert restored_at >= reserved
+
+        # Purges run meanwhile but may not pass the reserved watermark.
+        await writer.wait_stored(serve.change_db_file, 60)
+        await eventually(
+            lambda: (statz(serve)["backup"]["purge"]["heldBy"] or "").startswith(
+                "snapshot reservation open"
+            ),
+            "a purge pass paused by the reservation",
+        )
+        floor = change_log_min(serve)
+        assert floor is not None
+        assert floor <= reserved
+
+        # The restored replica subscribes as the reserving task: that ends the
+        # reservation, and it catches up from its restored watermark.
+        replicate_log = (tmp_path / "replicate.log").open("wb")
+        replicate = subprocess.Popen(  # noqa: ASYNC220 - a spawn, not a wait
+            [
+                str(SERVE),
+                "replicate",
+                f"ws://127.0.0.1:{serve.port}",
+                "--replica",
+                str(second),
+                "--task-id",
+                TASK,
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=replicate_log,
+        )
+        try:
+            await asyncio.wait_for(followup.closed.wait(), 30)
+            assert not statz(serve)["backup"]["reservations"]["open"]
+            await writer.wait_stored(serve.change_db_file, 100)
+        finally:
+            await writer.finish()
+        try:
+            await wait_until_replica_matches(upstream, second)
+        finally:
+            replicate.terminate()
+            replicate.wait(30)
+            replicate_log.close()
+        await wait_until_replica_matches(upstream, serve.replica_file)
+
+        # With the reservation gone the log shrinks to the floor.
+        await eventually(
+            lambda: (change_log_min(serve) or "") > reserved, "a purge past the old reservation"
+        )
+    finally:
+        if not writer.stop.is_set():
+            await writer.finish()
+    await serve.terminate()
+
+
+async def test_without_a_backup_url_the_change_log_stays_bounded(
+    upstream: str, serve_factory: ServeFactory
+) -> None:
+    await create_workload_schema(upstream)
+    serve = serve_factory(
+        upstream,
+        CHANGESTREAMER_PURGE_DELAY_SECONDS="0.2",
+        CHANGESTREAMER_REPLICA_POLL_INTERVAL_SECONDS="0.2",
+    )
+    serve.start()
+    await serve.wait_ready()
+    writer = Writer(upstream, big_at=10_000)  # small transactions only
+    writer.start()
+    peaks: list[int] = []
+    try:
+        for committed in range(100, 401, 100):
+            # Stored transactions get purged, so count what the writer committed.
+            await eventually(
+                lambda n=committed: writer.check() or len(writer.committed) >= n,
+                f"{committed} writer commits",
+                60,
+            )
+            peaks.append(change_log_rows(serve))
+    finally:
+        await writer.finish()
+    await wait_until_replica_matches(upstream, serve.replica_file)
+    # Each writer transaction is ~5 rows (begin, 1-3 changes, ledger row, commit):
+    # 400 transactions unpurged would be ~2,000 rows.
+    await eventually(lambda: change_log_rows(serve) <= 50, "the purge to catch up", 30)
+    assert max(peaks) < 1000, peaks
+    assert statz(serve)["backup"]["purge"]["passes"] >= 2
+    await serve.terminate()
+
+
+def test_restore_from_an_empty_destination_says_there_is_no_backup(tmp_path: Path) -> None:
+    done = cli(
+        "restore",
+        "--backup-url",
+        f"file://{tmp_path / 'none'}",
+        "--replica",
+        str(tmp_path / "r.db"),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"changestreamer: no backup at file://{tmp_path / 'none'}"
+    assert shutil.which("litestream", path=str(Path(sys.executable).parent))
