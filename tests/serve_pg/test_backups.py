@@ -252,3 +252,68 @@ def test_restore_from_an_empty_destination_says_there_is_no_backup(tmp_path: Pat
     assert done.returncode == 1
     assert done.stderr.strip() == f"changestreamer: no backup at file://{tmp_path / 'none'}"
     assert shutil.which("litestream", path=str(Path(sys.executable).parent))
+
+
+def metric(serve: Serve, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{serve.port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no sample of {name}")
+
+
+async def test_litestream_killed_or_its_destination_broken_mid_run_is_told_and_recovered(
+    upstream: str, serve_factory: ServeFactory, tmp_path: Path
+) -> None:
+    backup = tmp_path / "backup"
+    await create_workload_schema(upstream)
+    serve = serve_factory(
+        upstream,
+        **backup_env(
+            f"file://{backup}",
+            CHANGESTREAMER_BACKUP_WEDGED_AFTER_SECONDS="2",
+            ZERO_LITESTREAM_VFS_PROBE_TIMEOUT_MS="3000",
+        ),
+    )
+    serve.start()
+    await serve.wait_ready()
+    writer = Writer(upstream, big_at=10_000)
+    writer.start()
+    try:
+        # 1. litestream killed (it is our child's child; by its PID): it is restarted.
+        litestream = statz(serve)["backup"]["monitor"]["litestream"]
+        assert litestream["starts"] == 1
+        os.kill(litestream["pid"], 9)
+        await eventually(
+            lambda: statz(serve)["backup"]["monitor"]["litestream"]["starts"] == 2,
+            "litestream to be restarted",
+        )
+        await serve.wait_output(r"litestream exited \(code -9\); restarting")
+
+        # 2. The destination breaks (a file where its directory was): the backup stops
+        #    moving while the replica does; /ready, metrics and the log say so.
+        moved = tmp_path / "backup-away"
+        backup.rename(moved)
+        backup.write_text("in the way")
+
+        async def wedged() -> bool:
+            code, body = ready_status(serve)
+            return code == 503 and body.get("reason", "").startswith("backup wedged")
+
+        await eventually(wedged, "/ready to report the wedged backup", 60)
+        assert metric(serve, "changestreamer_backup_wedged") == 1
+        await serve.wait_output(r"ERROR .*backup wedged: no progress for")
+        floor = statz(serve)["backup"]["purge"]["floor"]
+        backed_up = statz(serve)["backup"]["backupWatermark"]
+        assert floor is None or floor <= backed_up  # purge never passes the backup
+
+        # 3. It is mended: the backup moves again and /ready recovers.
+        backup.unlink()
+        moved.rename(backup)
+        await serve.wait_ready(timeout_s=90)
+        assert metric(serve, "changestreamer_backup_wedged") == 0
+    finally:
+        await writer.finish()
+    # Nothing acked upstream was lost on the way.
+    await wait_until_replica_matches(upstream, serve.replica_file)
+    await serve.terminate()
