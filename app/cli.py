@@ -126,6 +126,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("%s", note)
     if args.command == "restore":
         return _restore(args, settings)
+    if args.command == "serve":
+        try:  # before the change DB is touched: a backup that cannot work stops here
+            notes = asyncio.run(check_backup_settings(settings))
+        except BackupConfigError as e:
+            print(f"changestreamer: {e}", file=sys.stderr)
+            return 2
+        for note in notes:
+            log.info("%s", note)
     try:
         db = open_change_db(settings)
         revision = asyncio.run(_migrate(db))
@@ -182,13 +190,6 @@ async def _migrate(db: ChangeDb) -> str:
 
 def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | None) -> int:
     """Runs the server; after an auto-reset (a new replica is needed) builds it all again."""
-    try:
-        notes = asyncio.run(check_backup_settings(settings))
-    except BackupConfigError as e:
-        print(f"changestreamer: {e}", file=sys.stderr)
-        return 2
-    for note in notes:
-        log.info("%s", note)
     for attempt in range(MAX_AUTO_RESETS + 1):
         if attempt:
             log.warning("auto-reset: re-syncing the replica and restarting the service")

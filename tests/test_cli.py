@@ -172,3 +172,34 @@ def test_the_discovery_address_is_never_a_wildcard(
     assert wildcard.endswith(":4849")
     monkeypatch.setenv("ZERO_CHANGE_STREAMER_ADDRESS", "cs.internal:9000")
     assert discovery_address(load_settings(), "0.0.0.0", 4849) == "cs.internal:9000"
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        (
+            {"ZERO_UPSTREAM_BD": "postgres://x"},
+            "changestreamer: unknown setting ZERO_UPSTREAM_BD (did you mean ZERO_UPSTREAM_DB?)",
+        ),
+        (
+            {"ZERO_FROBNICATE": "1"},
+            "changestreamer: unknown setting ZERO_FROBNICATE: not a zero-cache 1.9.0 setting",
+        ),
+        (
+            {"ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER": "true"},
+            "changestreamer: ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER",
+        ),
+        (
+            {"ZERO_LITESTREAM_BACKUP_URL": "file:///tmp/b"},
+            "changestreamer: ZERO_LITESTREAM_BACKUP_URL needs a Postgres upstream",
+        ),
+    ],
+)
+def test_serve_refuses_bad_zero_settings_with_one_line(
+    tmp_path: Path, env: dict[str, str], line: str
+) -> None:
+    result = run_cli(["serve"], tmp_path, NODE_ENV="development", **env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(line), lines[0]
