@@ -175,9 +175,11 @@ class Settings(BaseModel):
     reservation_max_s: FiniteFloat = Field(
         14_400, gt=0, validation_alias=_env("CHANGESTREAMER_RESERVATION_MAX_SECONDS")
     )
-    # Keep at least this much recent change log whatever the backups say (0: off).
+    # Keep at least this much recent change log whatever the backups say (0: off): a
+    # subscriber that is down a few minutes, or starts from a copy of the replica file
+    # taken a few minutes ago, can still catch up.
     change_log_retention_s: FiniteFloat = Field(
-        0, ge=0, validation_alias=_env("CHANGESTREAMER_CHANGE_LOG_RETENTION_SECONDS")
+        300, ge=0, validation_alias=_env("CHANGESTREAMER_CHANGE_LOG_RETENTION_SECONDS")
     )
     # How long a backed-up watermark waits before the change log is purged to it: time
     # for subscribers that just lost their connection to come back and show their

@@ -286,7 +286,7 @@ def test_backup_settings_default_to_zeros_values() -> None:
     assert s.litestream_multipart_size == 16 * 1024 * 1024
     assert s.log_format == "text"
     assert (s.backup_wedged_after_s, s.reservation_max_s) == (900, 14400)
-    assert (s.change_log_retention_s, s.replica_poll_interval_s) == (0, 10)
+    assert (s.change_log_retention_s, s.replica_poll_interval_s) == (300, 10)
 
 
 def test_backup_settings_are_read_with_zeros_names() -> None:

@@ -10,8 +10,12 @@ from inside the service.
 Protocol: for each line on stdin it writes one JSON line on stdout, either
 ``{"watermark": "…", "writeTimeMs": N, "txid": "…"}`` or ``{"error": "…"}``. The
 connection stays open between probes; the VFS then only fetches what is new. A
-failed read closes it, and the next probe opens it again (a destination that is
-still empty fails to open until litestream has uploaded a first snapshot).
+line ``fresh`` opens a new connection first: a long-lived one was seen to stop
+following a large backup (228 MB, under 200 transactions/s: stuck after ~40 s
+while new connections saw the newer state), so the parent asks for one whenever
+the last answer showed no progress. A failed read closes the connection, and the
+next probe opens it again (a destination that is still empty cannot be opened
+until litestream has uploaded a first snapshot).
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ def main(argv: list[str]) -> int:
         _reply(replies, {"error": f"cannot load the litestream VFS extension {argv[1]}: {e}"})
         return 1
     db: Any = None
-    for _ in sys.stdin:
+    for line in sys.stdin:
+        if line.strip() == "fresh" and db is not None:
+            db.close()
+            db = None
         try:
             if db is None:
                 db = apsw.Connection(

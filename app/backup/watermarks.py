@@ -129,13 +129,16 @@ class VfsProbe:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    async def read(self) -> LocalState:
-        """The backup's state; raises ``RuntimeError`` with the reason when it cannot."""
+    async def read(self, *, fresh: bool = False) -> LocalState:
+        """The backup's state; raises ``RuntimeError`` with the reason when it cannot.
+
+        ``fresh`` reads it through a new VFS connection (see ``vfs_worker``).
+        """
         proc = await self._ensure()
         assert proc.stdin is not None
         assert proc.stdout is not None
         try:
-            proc.stdin.write(b"\n")
+            proc.stdin.write(b"fresh\n" if fresh else b"\n")
             await proc.stdin.drain()
             line = await asyncio.wait_for(proc.stdout.readline(), self._timeout_s)
         except (TimeoutError, ConnectionError, asyncio.CancelledError) as e:
@@ -205,6 +208,7 @@ class VfsPoller(_Stoppable):
 
     async def __aiter__(self) -> AsyncIterator[BackedUpWatermark]:
         retry_s = PROBE_RESTART_INITIAL_S
+        stalled = False  # the last probe saw no progress: the next one reconnects
         try:
             while not self._stopped.is_set():
                 local = await asyncio.to_thread(self._read_local)
@@ -216,7 +220,7 @@ class VfsPoller(_Stoppable):
                     await self._sleep(self._interval_s)  # the backup has caught up: idle
                     continue
                 try:
-                    remote = await self._probe.read()
+                    remote = await self._probe.read(fresh=stalled)
                 except (RuntimeError, ValueError, KeyError, OSError) as e:
                     self._failed(str(e))
                     await self._sleep(retry_s)
@@ -224,6 +228,7 @@ class VfsPoller(_Stoppable):
                     continue
                 retry_s = PROBE_RESTART_INITIAL_S
                 self.last_error = None
+                stalled = self.last is not None and remote.watermark == self.last.watermark
                 if self.last is None or remote.watermark != self.last.watermark:
                     self.last = remote
                     yield BackedUpWatermark(remote.watermark, _now_ms(), remote.write_time_ms)

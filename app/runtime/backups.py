@@ -142,7 +142,6 @@ class Backups:
     runner: LitestreamRunner | None = None
     poller: VfsPoller | ReplicaPoller | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    _stopper: asyncio.Task[None] | None = None
 
     def stats(self) -> dict[str, object]:
         stats = self.monitor.stats()
@@ -178,7 +177,10 @@ class Backups:
 def start_backups(
     service: ChangeStreamerService, settings: Settings, *, replica_file: Path | None
 ) -> Backups:
-    """Starts what this configuration needs (module docstring); stops with the service."""
+    """Starts what this configuration needs (module docstring).
+
+    The service stops it (``service.stop`` awaits ``Backups.stop``).
+    """
 
     def local() -> LocalState | None:
         if replica_file is not None and settings.follow_replica:
@@ -228,15 +230,9 @@ def start_backups(
         except Exception:
             log.exception("the backup monitor failed")
 
-    async def stop_with_service() -> None:
-        await service.stopped.wait()
-        await backups.stop()
-
     if runner is not None:
         backups._tasks.append(asyncio.create_task(runner.run(), name="litestream"))
     backups._tasks.append(asyncio.create_task(run_monitor(), name="backup monitor"))
-    # Not in _tasks: it is what stops them.
-    backups._stopper = asyncio.create_task(stop_with_service(), name="backups stop")
     return backups
 
 

@@ -20,6 +20,8 @@ gauges as they are at that moment, so there is no registry to keep. Metrics:
 ``changestreamer_backup_wedged``                  gauge    1 while the backup is wedged
 ``changestreamer_snapshot_reservations_open``     gauge    open reservations (purge waits)
 ``changestreamer_change_log_purged_rows_total``   counter  rows purged from the change log
+``changestreamer_change_log_bytes``               gauge    bytes of the change log (cached)
+``changestreamer_purge_floor_info{held_by}``      gauge    what held the last purge floor
 ================================================  =======  =================================
 
 Counters restart from zero with the process (Prometheus' ``rate`` handles that).
@@ -148,6 +150,8 @@ class ChangeLogRows:
         self._clock = clock
         self._lock = asyncio.Lock()
         self._cached: tuple[ChangeLog, int, float] | None = None
+        # The log's bytes, refreshed with the count (None until known).
+        self.bytes: int | None = None
 
     async def get(self, change_log: ChangeLog) -> int | None:
         async with self._lock:  # concurrent scrapes share one query
@@ -165,6 +169,11 @@ class ChangeLogRows:
                 self._cached = None
                 return None
             self._cached = (change_log, rows, self._clock())
+            try:
+                self.bytes = await asyncio.wait_for(change_log.size_bytes(), self._timeout_s)
+            except Exception as e:
+                log.warning("metrics: sizing the change log failed: %r", e)
+                self.bytes = None
             return rows
 
 
@@ -265,6 +274,23 @@ async def collect(
             "Change log rows deleted by purges since start.",
         ).add(service.purger.deleted)
     )
+    if rows.bytes is not None:
+        families.append(
+            MetricFamily(
+                "changestreamer_change_log_bytes",
+                "gauge",
+                "Bytes the change log takes (refreshed with the row count).",
+            ).add(rows.bytes)
+        )
+    holder = service.purger.floor_holder
+    if holder is not None:
+        families.append(
+            MetricFamily(
+                "changestreamer_purge_floor_info",
+                "gauge",
+                "1, labelled with what held the last purge pass's floor.",
+            ).add(1, held_by=holder)
+        )
     backup_lag = service.backup_lag_seconds()
     if backup_lag is not None:
         families.append(

@@ -95,6 +95,7 @@ class Purger:
         paused: Callable[[], str | None] = lambda: None,
         named_acks: Callable[[], Iterable[tuple[str, str]]] | None = None,
         retention: CommitClock | None = None,
+        backup_name: str = "backup",
         on_fatal: Callable[[BaseException], None] | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
@@ -106,6 +107,7 @@ class Purger:
         self._paused = paused
         self._named_acks = named_acks
         self._retention = retention
+        self._backup_name = backup_name  # what the tracked watermark is, for floor_holder
         self._on_fatal = on_fatal
         self._log = logger or logging.getLogger(__name__)
         self._stopped = False
@@ -202,7 +204,7 @@ class Purger:
             self._log.info("change log purge paused: %s", reason)
             return
         candidates = [
-            (backup, "backup"),
+            (backup, self._backup_name),
             *self._acks_with_names(),
             *((w, "reservation") for w in self._reserved()),
         ]

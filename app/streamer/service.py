@@ -126,6 +126,8 @@ class BackupState(Protocol):
 
     def stats(self) -> dict[str, object]: ...
 
+    async def stop(self) -> None: ...
+
 
 class ChangeStreamerService:
     def __init__(
@@ -190,6 +192,8 @@ class ChangeStreamerService:
             paused=self._purge_pause_reason,
             named_acks=self.forwarder.named_acks,
             retention=self._commit_clock,
+            # Without backups the tracked watermark is the local replica's position.
+            backup_name="backup" if self.options.backup_url else "replica",
             on_fatal=self._on_fatal,
         )
         self._backoff = Backoff(self.options.backoff_initial_s, self.options.backoff_max_s)
@@ -286,6 +290,9 @@ class ChangeStreamerService:
             await self._stream.close()
         with contextlib.suppress(Exception):
             await self._source.stop()
+        if self.backup_state is not None:
+            # Its children (litestream, the VFS probe) must not outlive the service.
+            await self.backup_state.stop()
 
     @property
     def stopped(self) -> asyncio.Event:

@@ -45,6 +45,7 @@ def backup_env(backup_url: str, **extra: str) -> dict[str, str]:
         "ZERO_LITESTREAM_LOG_LEVEL": "info",
         "ZERO_TASK_ID": "rm-1",
         "CHANGESTREAMER_PURGE_DELAY_SECONDS": "0.5",
+        "CHANGESTREAMER_CHANGE_LOG_RETENTION_SECONDS": "0",
         **extra,
     }
 
@@ -214,6 +215,7 @@ async def test_without_a_backup_url_the_change_log_stays_bounded(
         upstream,
         CHANGESTREAMER_PURGE_DELAY_SECONDS="0.2",
         CHANGESTREAMER_REPLICA_POLL_INTERVAL_SECONDS="0.2",
+        CHANGESTREAMER_CHANGE_LOG_RETENTION_SECONDS="0",
     )
     serve.start()
     await serve.wait_ready()
@@ -317,3 +319,44 @@ async def test_litestream_killed_or_its_destination_broken_mid_run_is_told_and_r
     # Nothing acked upstream was lost on the way.
     await wait_until_replica_matches(upstream, serve.replica_file)
     await serve.terminate()
+
+
+async def test_a_replacement_node_restores_under_a_reservation_instead_of_re_syncing(
+    upstream: str, serve_factory: ServeFactory, tmp_path: Path
+) -> None:
+    backup = f"file://{tmp_path / 'backup'}"
+    await create_workload_schema(upstream)
+    old = serve_factory(upstream, **backup_env(backup, ZERO_TASK_ID="rm-1"))
+    old.start()
+    await old.wait_ready()
+    writer = Writer(upstream, big_at=10_000)
+    writer.start()
+    try:
+        await writer.wait_stored(old.change_db_file, 20)
+        # The new node shares the change DB (and so sees the old one as its owner)
+        # and the backup, but has no replica file yet.
+        new = serve_factory(
+            upstream,
+            **backup_env(backup, ZERO_TASK_ID="rm-2", ZERO_CHANGE_DB=str(old.change_db_file)),
+        )
+        new.start()
+        await new.wait_output(
+            rf"holding a snapshot reservation on 127\.0\.0\.1:{old.port} during the restore"
+        )
+        await new.wait_output(r"restored .*replica\.db \(\d+ bytes, replica version")
+        await old.wait_output(r"snapshot reservation opened for task rm-2")
+        await new.wait_ready(timeout_s=90)
+        # The new node took the change log over; the old one stops streaming.
+        await eventually(
+            lambda: (
+                lite_rows(old.change_db_file, 'SELECT owner FROM "replicationState"') == [("rm-2",)]
+            ),
+            "the new node to own the change log",
+        )
+        await writer.wait_stored(old.change_db_file, 60)
+    finally:
+        await writer.finish()
+    await wait_until_replica_matches(upstream, new.replica_file)
+    assert "initial sync of" not in new.output()  # restored, not re-synced
+    assert replica_versions(new.replica_file)[0] == replica_versions(old.replica_file)[0]
+    await new.terminate()

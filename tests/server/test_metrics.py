@@ -200,6 +200,7 @@ EXPECTED = {
     "changestreamer_backup_wedged": "gauge",
     "changestreamer_snapshot_reservations_open": "gauge",
     "changestreamer_change_log_purged_rows_total": "counter",
+    "changestreamer_change_log_bytes": "gauge",
 }
 
 
