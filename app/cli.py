@@ -218,6 +218,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
             return 1
     server: uvicorn.Server | None = None
     built: list[ChangeStreamerService] = []
+    releasers: set[asyncio.Task[None]] = set()
 
     def shut_down() -> None:
         if server is not None:
@@ -232,6 +233,15 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
                 runtime.start_backup()
             service = runtime.service
         start_backups(service, settings, replica_file=settings.replica_file if prepared else None)
+        if prepared is not None and prepared.held_reservation is not None:
+            # After a restore: the previous owner keeps its log until we own it.
+            held = prepared.held_reservation
+
+            async def release_once_owner() -> None:
+                await service.owning.wait()
+                await asyncio.to_thread(held.release)
+
+            releasers.add(asyncio.create_task(release_once_owner(), name="release reservation"))
         built.append(service)
         return service
 
@@ -264,6 +274,8 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     try:
         server.run()
     finally:
+        if prepared is not None and prepared.held_reservation is not None:
+            prepared.held_reservation.release()
         before_exit()
     failure = built[0].failure if built else None
     if failure is None:

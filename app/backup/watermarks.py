@@ -189,6 +189,18 @@ class VfsProbe:
             await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
 
 
+def _covered(remote: LocalState, local: LocalState | None) -> str:
+    """What the backup covers *of our replica*: never more than the replica holds.
+
+    During a takeover the destination still receives the old node's uploads, which
+    may be ahead of the replica this node restored; purging to them would delete
+    changes our own replica has yet to apply.
+    """
+    if local is not None and local.watermark < remote.watermark:
+        return local.watermark
+    return remote.watermark
+
+
 class VfsPoller(_Stoppable):
     """Yields each new watermark read back from the backup destination."""
 
@@ -231,7 +243,9 @@ class VfsPoller(_Stoppable):
                 stalled = self.last is not None and remote.watermark == self.last.watermark
                 if self.last is None or remote.watermark != self.last.watermark:
                     self.last = remote
-                    yield BackedUpWatermark(remote.watermark, _now_ms(), remote.write_time_ms)
+                    yield BackedUpWatermark(
+                        _covered(remote, local), _now_ms(), remote.write_time_ms
+                    )
                 await self._sleep(self._interval_s)
         finally:
             await self._probe.close()

@@ -26,7 +26,6 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from app.backup.config import BackupConfigError, LitestreamOptions, find_executable
 from app.backup.monitor import BackupMonitor
@@ -40,6 +39,7 @@ from app.backup.watermarks import (
     read_local_state,
 )
 from app.config import Settings
+from app.runtime.held_reservation import HeldReservation
 from app.streamer.service import ChangeStreamerService
 
 __all__ = [
@@ -54,9 +54,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# How long a new node waits for the current owner to confirm a reservation.
-OWNER_RESERVATION_TIMEOUT_S = 10.0
 
 
 def litestream_options(settings: Settings, replica_file: Path | None = None) -> LitestreamOptions:
@@ -238,46 +235,33 @@ def start_backups(
 
 async def restore_if_missing(
     settings: Settings, *, replica_version: str | None, owner_address: str | None
-) -> Restored | None:
+) -> tuple[Restored | None, HeldReservation | None]:
     """Restores ZERO_REPLICA_FILE from the backup when it is missing (zero-cache's way).
 
-    ``replica_version`` (the change DB's) must match the backup's; with an
-    ``owner_address`` (another node owns the change log) a snapshot reservation
-    is held on it during the restore, so it does not purge what we will need.
-    None: no backup URL, a replica file exists, or the destination is empty.
+    ``replica_version`` (the change DB's) must match the backup's. With an
+    ``owner_address`` (another node owns the change log) a snapshot reservation is
+    opened there first and returned still held: the caller releases it once this
+    node owns the change log, so the old owner purges nothing the restored replica
+    needs in between. (None, None): no backup URL, a replica file exists, or the
+    destination is empty.
     """
     if not settings.litestream_backup_url or settings.replica_file.exists():
-        return None
+        return None, None
     options = litestream_options(settings)
-    async with _reservation_on(owner_address, settings) as reserved:
-        if reserved is not None:
+    held: HeldReservation | None = None
+    if owner_address:
+        held = HeldReservation(owner_address, settings.task_id or "changestreamer-restore")
+        if await asyncio.to_thread(held.start):
             log.info("holding a snapshot reservation on %s during the restore", owner_address)
+    try:
         restored = await restore_replica(options, replica_version=replica_version)
+    except BaseException:
+        if held is not None:
+            await asyncio.to_thread(held.release)
+        raise
     if restored is None:
         log.info("no backup at %s yet: the replica is synced from upstream", options.backup_url)
-    return restored
-
-
-@contextlib.asynccontextmanager
-async def _reservation_on(address: str | None, settings: Settings) -> Any:
-    if not address:
-        yield None
-        return
-    from app.client import ChangeStreamerClient
-    from app.client.discovery import address_to_url
-
-    client = ChangeStreamerClient(address_to_url(address), open_timeout_s=5.0)
-    task_id = settings.task_id or "changestreamer-restore"
-    followup = None
-    try:
-        _status, followup = await asyncio.wait_for(
-            client.reserve_snapshot(task_id), OWNER_RESERVATION_TIMEOUT_S
-        )
-    except Exception as e:  # an old owner that is gone is the usual case
-        log.info("no snapshot reservation on the current owner %s: %s", address, e)
-    try:
-        yield followup
-    finally:
-        if followup is not None:
-            with contextlib.suppress(Exception):
-                await followup.cancel()
+        if held is not None:
+            await asyncio.to_thread(held.release)
+        return None, None
+    return restored, held

@@ -31,6 +31,7 @@ from app.config import Settings
 from app.replica.schema import ReplicaState, read_replica_state, remove_replica_files
 from app.runtime.backup_replicator import BackupReplicator
 from app.runtime.backups import RestoreError, restore_if_missing
+from app.runtime.held_reservation import HeldReservation
 from app.runtime.options import streamer_options, task_id
 from app.sources.postgres.errors import AutoResetRequired, ShardSetupError
 from app.sources.postgres.initial_sync import InitialSyncError, initial_sync
@@ -78,6 +79,8 @@ class PreparedUpstream:
     shard: ShardConfig
     replica: ReplicaState
     row: ReplicaRow
+    # A reservation on the previous owner after a restore: released once we own the log.
+    held_reservation: HeldReservation | None = None
 
 
 async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream:
@@ -93,8 +96,9 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
     replication = Replication(db)
     existing = await replication.config()
     reset_required = existing is not None and existing.reset_required
-    if not reset_required:
-        await _restore_if_missing(settings, replication, existing)
+    held = (
+        await _restore_if_missing(settings, replication, existing) if not reset_required else None
+    )
     try:
         state, row = await _prepare_replica(
             upstream,
@@ -105,7 +109,7 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
         )
     except (ShardSetupError, InitialSyncError, psycopg.Error) as e:
         raise UpstreamSetupError(f"upstream {_redacted(upstream)}: {e}") from e
-    return PreparedUpstream(upstream, cfg, state, row)
+    return PreparedUpstream(upstream, cfg, state, row, held)
 
 
 async def postgres_service(
@@ -122,6 +126,7 @@ async def postgres_service(
     )
     durable = await replication.state()
     assert durable is not None
+    task = task_id(settings)
     source = PostgresChangeSource(
         prepared.url,
         PostgresSourceOptions(
@@ -137,11 +142,12 @@ async def postgres_service(
     service = ChangeStreamerService(
         db=db,
         source=source,
-        task_id=task_id(settings),
+        task_id=task,
         address=address,
         replica_version=state.replica_version,
         durable_watermark=durable.last_watermark,
         options=streamer_options(settings),
+        taking_over=durable.owner not in (None, "", task),
     )
     log.info(
         "replicating %s through slot %s; replica %s at %s",
@@ -191,13 +197,13 @@ async def _prepare_replica(
 
 async def _restore_if_missing(
     settings: Settings, replication: Replication, existing: ReplicationConfig | None
-) -> None:
+) -> HeldReservation | None:
     """A replacement node restores the backup instead of re-syncing (which would reset
     the change log every view-syncer follows)."""
     state = await replication.state()
     owner = state.owner_address if state is not None and state.owner != settings.task_id else None
     try:
-        await restore_if_missing(
+        _restored, held = await restore_if_missing(
             settings,
             replica_version=existing.replica_version if existing is not None else None,
             owner_address=owner,
@@ -206,6 +212,8 @@ async def _restore_if_missing(
         if not settings.auto_reset:
             raise UpstreamSetupError(f"{e}; enable ZERO_AUTO_RESET to re-sync instead") from e
         log.warning("%s: re-syncing the replica from upstream instead (ZERO_AUTO_RESET)", e)
+        return None
+    return held
 
 
 async def _check(upstream: str, cfg: ShardConfig, replica_version: str) -> ReplicaRow:

@@ -198,10 +198,16 @@ class Replication:
         await asyncio.sleep(0.1)
         return pids
 
-    async def assume_ownership(self, owner: str, address: str | None) -> None:
-        """Makes ``owner`` the single writer; waits for an open storer transaction."""
+    async def assume_ownership(self, owner: str, address: str | None) -> str:
+        """Makes ``owner`` the single writer; waits for an open storer transaction.
+
+        Returns ``lastWatermark`` as of the takeover: the previous owner can store
+        nothing after it, so this is where the change log really ends.
+        """
         async with self._db.writer.connect() as conn, conn.begin():
             await conn.execute(update(replication_state).values(owner=owner, ownerAddress=address))
+            last = await conn.scalar(select(replication_state.c.lastWatermark))
+        return str(last)
 
     async def set_reset_required(self) -> None:
         async with self._db.writer.connect() as conn, conn.begin():

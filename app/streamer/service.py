@@ -141,7 +141,12 @@ class ChangeStreamerService:
         durable_watermark: str,
         options: StreamerOptions | None = None,
         timers: Timers | None = None,
+        taking_over: bool = False,
     ) -> None:
+        """``taking_over``: another task owns the change log now and may still store
+        commits (and ack them upstream) until ``run`` takes it over; catch-ups then
+        wait for the takeover, bounded by where the log really ends (``Storer.owned``).
+        """
         self.options = options or StreamerOptions()
         self.task_id = task_id
         self.replica_version = replica_version
@@ -167,6 +172,7 @@ class ChangeStreamerService:
             on_fatal=self._on_fatal,
             back_pressure_bytes=self.options.back_pressure_bytes,
             statement_timeout_s=self.options.statement_timeout_s,
+            hold_catchups_until_owned=taking_over,
         )
         self._commit_clock = (
             CommitClock(self.options.change_log_retention_s, self._timers.monotonic)
@@ -234,7 +240,8 @@ class ChangeStreamerService:
         if first is not None:
             self._latest_lag_report = first
         try:
-            await self.replication.assume_ownership(self.task_id, self._address)
+            last = await self.replication.assume_ownership(self.task_id, self._address)
+            self.storer.owned(last)
             self.owning.set()
             while not self._stopped.is_set():
                 error = await self._stream_once()

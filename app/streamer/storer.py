@@ -116,6 +116,7 @@ class Storer:
         group_max_rows: int = 10_000,
         open_tx_flush_bytes: int = 8 * 1024 * 1024,
         catchup_batch: int = CATCHUP_BATCH,
+        hold_catchups_until_owned: bool = False,
     ) -> None:
         self._log = change_log
         self._replication = replication
@@ -140,6 +141,8 @@ class Storer:
         self._enqueued_in_tx = False
         self._last_enqueued_commit = durable_watermark
         self._parked: list[_Catchup] = []
+        # Catch-ups wait for ``owned`` (a takeover may still be moving the log's end).
+        self._until_owned = hold_catchups_until_owned
         self._gate: asyncio.Future[None] | None = None
         self._watchdog: TimerHandle | None = None
 
@@ -246,7 +249,7 @@ class Storer:
     def catchup(self, sub: Subscriber, mode: Mode) -> None:
         """Catches ``sub`` up to the stream position of this very call (see module doc)."""
         request = _Catchup(sub, mode)
-        if self._enqueued_in_tx:
+        if self._enqueued_in_tx or self._until_owned:
             self._parked.append(request)
         else:
             self._start_catchup(request, self._last_enqueued_commit)
@@ -470,6 +473,19 @@ class Storer:
             raise AbortError(
                 f"changeLog did not drain within {round(drain_timeout_s * 1000)}ms"
             ) from None
+
+    def owned(self, last_watermark: str) -> None:
+        """This task owns the change log, which ends at ``last_watermark``.
+
+        Until a takeover completes the previous owner may still store commits (and
+        ack them upstream, so the new stream never brings them): catch-ups asked for
+        before it are parked and bounded here, by where the log really ends.
+        """
+        if last_watermark > self.durable:
+            self.reset_for_stream(last_watermark)
+        self._until_owned = False
+        if not self._enqueued_in_tx:
+            self._end_enqueued_tx()
 
     def reset_for_stream(self, durable_watermark: str) -> None:
         """A new upstream stream starts from ``durable_watermark`` (what is stored)."""

@@ -354,3 +354,23 @@ async def test_a_subscriber_ahead_of_the_durable_log_is_caught_up_without_error(
     msgs = await collect(ds, 1)
     assert [m[0] for m in msgs] == ["status"]
     assert harness.fatal == []
+
+
+async def test_during_a_takeover_catch_ups_wait_and_reach_what_the_old_owner_stored(
+    harness: Harness, change_db: ChangeDb
+) -> None:
+    # The old owner (harness) stores 02 and 03; the new task read the log's end
+    # when it was at 02, before the old owner stored 03 (and acked it upstream,
+    # so the new stream will never bring it).
+    harness.feed(txn("02") + txn("03"))
+    await harness.until_durable("03")
+    new = Harness(change_db, hold_catchups_until_owned=True)
+    new.storer.reset_for_stream("02")
+    _sub, ds = subscribe(new, "01")
+    await asyncio.sleep(0.1)
+    assert drain(ds, ack=False) == []  # parked until the takeover is done
+    new.storer.owned("03")  # the log's end as read in the takeover's transaction
+    msgs = await collect(ds, 7)
+    assert msgs[-1] == ["commit", {"tag": "commit"}, {"watermark": "03"}]
+    assert new.storer.durable == "03"
+    await new.storer.close_catchups()
