@@ -360,3 +360,65 @@ async def test_a_replacement_node_restores_under_a_reservation_instead_of_re_syn
     assert "initial sync of" not in new.output()  # restored, not re-synced
     assert replica_versions(new.replica_file)[0] == replica_versions(old.replica_file)[0]
     await new.terminate()
+
+
+async def test_serve_backs_up_to_an_s3_api_and_restore_reads_it_back(
+    upstream: str, serve_factory: ServeFactory, tmp_path: Path, monkeypatch: Any
+) -> None:
+    # moto's S3 server on loopback stands in for S3 (unreachable from here).
+    from moto.server import ThreadedMotoServer
+
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)  # litestream v0.5 cannot take one
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    for name, value in creds.items():
+        monkeypatch.setenv(name, value)
+    port = free_port()
+    s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    s3.start()
+    try:
+        import boto3
+
+        endpoint = f"http://127.0.0.1:{port}"
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket="zero"
+        )
+        await create_workload_schema(upstream)
+        s3_env = {"ZERO_LITESTREAM_ENDPOINT": endpoint, "ZERO_LITESTREAM_REGION": "us-east-1"}
+        serve = serve_factory(upstream, **backup_env("s3://zero/backups/replica", **s3_env))
+        serve.start()
+        await serve.wait_ready()  # the coverage gate read the backup back from S3
+        writer = Writer(upstream, big_at=5, big_rows=300)
+        writer.start()
+        try:
+            await writer.wait_stored(serve.change_db_file, 30)
+        finally:
+            await writer.finish()
+        await wait_until_replica_matches(upstream, serve.replica_file)
+        _, at = replica_versions(serve.replica_file)
+        await eventually(
+            lambda: (statz(serve)["backup"]["backupWatermark"] or "") >= at,
+            "the S3 backup to reach the replica",
+        )
+        restored = tmp_path / "from-s3.db"
+        env = {**s3_env, **creds}
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [
+                str(SERVE),
+                "restore",
+                "--backup-url",
+                "s3://zero/backups/replica",
+                "--replica",
+                str(restored),
+            ],
+            cwd=tmp_path,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("ZERO_")}, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        await wait_until_replica_matches(upstream, restored, timeout_s=5)
+        await serve.terminate()
+    finally:
+        s3.stop()
