@@ -135,9 +135,22 @@ class BackupMonitor:
                 log.info("the backup caught up")
             self.problem = None
 
+    def lag_seconds(self) -> float | None:
+        """zero's ``backup_lag``: the replica's last write time − the backup's time.
+
+        0 while the backup holds the replica's position; None before both are known.
+        """
+        latest, local = self.latest, self._local
+        if latest is None or local is None or local.write_time_ms is None:
+            return None
+        if latest.watermark >= local.watermark:
+            return 0.0
+        return max(0.0, (local.write_time_ms - latest.backup_time_ms) / 1000)
+
     def stats(self) -> dict[str, object]:
         latest = self.latest
         return {
+            "lag_seconds": self.lag_seconds(),
             "coverage_target": self.coverage_target,
             "covered": self.covered.is_set(),
             "watermark": latest.watermark if latest else None,

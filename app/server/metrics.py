@@ -18,6 +18,7 @@ gauges as they are at that moment, so there is no registry to keep. Metrics:
 ``changestreamer_lag_seconds``                    gauge    now − newest lag report's commit
 ``changestreamer_backup_lag_seconds``             gauge    age of the oldest unbacked commit
 ``changestreamer_backup_wedged``                  gauge    1 while the backup is wedged
+``changestreamer_backup_write_lag_seconds``       gauge    replica write time − backup time
 ``changestreamer_snapshot_reservations_open``     gauge    open reservations (purge waits)
 ``changestreamer_change_log_purged_rows_total``   counter  rows purged from the change log
 ``changestreamer_change_log_bytes``               gauge    bytes of the change log (cached)
@@ -281,6 +282,15 @@ async def collect(
                 "gauge",
                 "Bytes the change log takes (refreshed with the row count).",
             ).add(rows.bytes)
+        )
+    write_lag = service.backup_state.stats().get("lag_seconds") if service.backup_state else None
+    if isinstance(write_lag, float):
+        families.append(
+            MetricFamily(
+                "changestreamer_backup_write_lag_seconds",
+                "gauge",
+                "zero's backup_lag: the replica's last write time minus the backup's time.",
+            ).add(write_lag)
         )
     holder = service.purger.floor_holder
     if holder is not None:

@@ -206,3 +206,14 @@ def test_an_idle_caught_up_backup_is_never_wedged() -> None:
     clock.now = 5061.0
     monitor.check(LocalState("06"))
     assert monitor.problem is not None
+
+
+def test_the_write_lag_is_the_replica_write_time_minus_the_backup_time() -> None:
+    monitor = BackupMonitor(_stream([]), lambda _: None, lambda: None, wedged_after_s=60)
+    assert monitor.lag_seconds() is None
+    monitor.offer(BackedUpWatermark("05", backup_time_ms=10_000))
+    monitor.check(LocalState("07", write_time_ms=13_500))
+    assert monitor.lag_seconds() == 3.5
+    monitor.check(LocalState("05", write_time_ms=9_000))
+    assert monitor.lag_seconds() == 0.0  # the backup holds the replica's position
+    assert monitor.stats()["lag_seconds"] == 0.0
