@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -19,20 +18,13 @@ from app.backup.restore import RestoreError, restore_replica
 from app.backup.watermarks import VfsPoller, VfsProbe, read_local_state
 from app.replica.schema import litestream_state_dir, read_replica_state
 from tests.backup.conftest import REPLICA_VERSION, advance, item_count, new_replica
+from tests.serve_pg.conftest import eventually as _eventually
 
 TIMEOUT_S = 30.0
 
 
 async def eventually(check: Callable[[], Any], what: str, timeout_s: float = TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        await asyncio.sleep(0.05)
+    return await _eventually(check, what, timeout_s)
 
 
 def vfs_extension() -> Path:
