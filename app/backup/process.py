@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Final
 
 from app.backup.config import BackupConfigError, LitestreamOptions, render
+from app.sources.backoff import Backoff
 
 __all__ = [
     "LitestreamRunner",
@@ -94,7 +95,7 @@ class LitestreamRunner:
 
     async def run(self) -> None:
         """Runs the child until ``stop``, restarting it with backoff when it exits."""
-        delay = RESTART_INITIAL_S
+        backoff = Backoff(RESTART_INITIAL_S, RESTART_MAX_S)
         while not self._stopped.is_set():
             started = time.monotonic()
             try:
@@ -106,11 +107,11 @@ class LitestreamRunner:
             if self._stopped.is_set():
                 return
             if time.monotonic() - started >= STABLE_AFTER_S:
-                delay = RESTART_INITIAL_S
+                backoff.reset()
+            delay = backoff.next_delay()
             log.warning("litestream exited (code %s); restarting in %.0f s", code, delay)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), delay)
-            delay = min(RESTART_MAX_S, delay * 2)
 
     async def stop(self) -> None:
         """Stops the child (SIGTERM, then SIGKILL after STOP_TIMEOUT_S)."""

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from app.sources.backoff import Backoff
+
 __all__ = [
     "BackedUpWatermark",
     "LocalState",
@@ -219,7 +221,7 @@ class VfsPoller(_Stoppable):
         self.last_error: str | None = None
 
     async def __aiter__(self) -> AsyncIterator[BackedUpWatermark]:
-        retry_s = PROBE_RESTART_INITIAL_S
+        retry = Backoff(PROBE_RESTART_INITIAL_S, PROBE_RESTART_MAX_S)
         stalled = False  # the last probe saw no progress: the next one reconnects
         try:
             while not self._stopped.is_set():
@@ -235,10 +237,9 @@ class VfsPoller(_Stoppable):
                     remote = await self._probe.read(fresh=stalled)
                 except (RuntimeError, ValueError, KeyError, OSError) as e:
                     self._failed(str(e))
-                    await self._sleep(retry_s)
-                    retry_s = min(PROBE_RESTART_MAX_S, retry_s * 2)
+                    await self._sleep(retry.next_delay())
                     continue
-                retry_s = PROBE_RESTART_INITIAL_S
+                retry.reset()
                 self.last_error = None
                 stalled = self.last is not None and remote.watermark == self.last.watermark
                 if self.last is None or remote.watermark != self.last.watermark:
