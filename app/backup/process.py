@@ -18,16 +18,13 @@ import json
 import logging
 import os
 import re
-import signal
-import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 from app.backup.config import BackupConfigError, LitestreamOptions, render
-from app.sources.backoff import Backoff
+from app.supervise import MAX_LINE, ChildSpec, SupervisedChild
+from app.supervise import ChildState as RunnerState
 
 __all__ = [
     "LitestreamRunner",
@@ -44,9 +41,6 @@ RESTART_MAX_S: Final = 60.0
 # A child that ran this long was healthy: the next restart waits RESTART_INITIAL_S.
 STABLE_AFTER_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 10.0
-# Longest log line we read from the child; longer ones are cut.
-MAX_LINE: Final = 64 * 1024
-RECENT_LINES: Final = 20
 
 _LEVELS: Final = {
     "DEBUG": logging.DEBUG,
@@ -69,115 +63,52 @@ def write_config(options: LitestreamOptions) -> Path:
     return path
 
 
-@dataclass(slots=True)
-class RunnerState:
-    """What /statz and /metrics say about the child."""
-
-    pid: int | None = None
-    starts: int = 0
-    last_exit: int | None = None
-    last_exit_at: float | None = None
-    recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_LINES))
-
-
 class LitestreamRunner:
-    """Keeps ``litestream replicate`` running for one replica."""
+    """Keeps ``litestream replicate`` running for one replica (``app.supervise``)."""
 
     def __init__(self, options: LitestreamOptions) -> None:
         self._options = options
-        self.state = RunnerState()
-        self._stopped = asyncio.Event()
-        self._proc: asyncio.subprocess.Process | None = None
+        self._child = SupervisedChild(
+            ChildSpec(
+                name="litestream",
+                log=log,
+                command=self._command,
+                env=options.environment,
+                parse_line=parse_line,
+                restart_initial_s=RESTART_INITIAL_S,
+                restart_max_s=RESTART_MAX_S,
+                stable_after_s=STABLE_AFTER_S,
+                stop_timeout_s=STOP_TIMEOUT_S,
+                start_errors=(OSError, BackupConfigError),
+            )
+        )
+
+    @property
+    def state(self) -> RunnerState:
+        return self._child.state
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.returncode is None
+        return self._child.running
 
     async def run(self) -> None:
         """Runs the child until ``stop``, restarting it with backoff when it exits."""
-        backoff = Backoff(RESTART_INITIAL_S, RESTART_MAX_S)
-        while not self._stopped.is_set():
-            started = time.monotonic()
-            try:
-                code = await self._run_once()
-            except (OSError, BackupConfigError) as e:
-                log.error("cannot start litestream: %s", e)
-                self.state.recent_errors.append(str(e))
-                code = None
-            if self._stopped.is_set():
-                return
-            if time.monotonic() - started >= STABLE_AFTER_S:
-                backoff.reset()
-            delay = backoff.next_delay()
-            log.warning("litestream exited (code %s); restarting in %.0f s", code, delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), delay)
+        log.info("backing up %s to %s", self._options.replica_file, self._options.backup_url)
+        await self._child.run()  # litestream has no final exit code: only stop ends it
 
     async def stop(self) -> None:
         """Stops the child (SIGTERM, then SIGKILL after STOP_TIMEOUT_S)."""
-        self._stopped.set()
-        proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+        await self._child.stop()
 
-    async def _run_once(self) -> int:
+    async def _command(self) -> list[str]:
         config = await asyncio.to_thread(write_config, self._options)
-        proc = await asyncio.create_subprocess_exec(
+        return [
             str(self._options.executable),
             "replicate",
             "-config",
             str(config),
             "-no-expand-env",
-            env=self._options.environment(),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            limit=MAX_LINE,
-            start_new_session=True,  # a ^C to serve reaches us, and we stop it in order
-        )
-        self._proc = proc
-        self.state.pid = proc.pid
-        self.state.starts += 1
-        log.info(
-            "litestream started (pid %d), backing up to %s", proc.pid, self._options.backup_url
-        )
-        assert proc.stdout is not None
-        try:
-            await self._relay(proc.stdout)
-            code = await proc.wait()
-        except asyncio.CancelledError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise
-        self.state.last_exit = code
-        self.state.last_exit_at = time.time()
-        self.state.pid = None
-        return code
-
-    async def _relay(self, stream: asyncio.StreamReader) -> None:
-        while True:
-            try:
-                raw = await stream.readline()
-            except ValueError:  # a line over MAX_LINE: skip what is left of it
-                raw = await stream.read(MAX_LINE)
-            if not raw:
-                return
-            line = raw.decode("utf-8", "replace").rstrip()
-            if not line:
-                continue
-            level, text = parse_line(line)
-            if level >= logging.WARNING:
-                self.state.recent_errors.append(text)
-            log.log(level, "%s", text)
+        ]
 
 
 def parse_line(line: str) -> tuple[int, str]:

@@ -1,0 +1,189 @@
+"""A child process kept running: start it, fold its output into our log, restart it.
+
+``SupervisedChild.run`` starts the command a ``ChildSpec`` gives and keeps it running
+until ``stop``: when the child exits it is started again after a backoff (doubling
+from ``restart_initial_s`` to ``restart_max_s``, back to the start once a child ran
+for ``stable_after_s``). Every line the child prints is logged at the level the
+spec's ``parse_line`` reads from it. ``stop`` sends SIGTERM and, after
+``stop_timeout_s``, SIGKILL.
+
+The child gets a pipe as stdin that only we hold: when this process dies, even by
+SIGKILL, the child reads EOF there and can end itself instead of living on as an
+orphan (``changestreamer replicate --stop-on-stdin-eof`` does; litestream ignores
+it and is stopped by ``stop``).
+
+Used for litestream (``app.backup.process``) and the service's own replica follower
+(``app.runtime.replica_follower``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from app.sources.backoff import Backoff
+
+__all__ = ["ChildSpec", "ChildState", "SupervisedChild"]
+
+# Longest output line read from a child; longer ones are cut.
+MAX_LINE: Final = 64 * 1024
+RECENT_LINES: Final = 20
+
+
+@dataclass(slots=True)
+class ChildState:
+    """What /statz and /metrics say about the child."""
+
+    pid: int | None = None
+    starts: int = 0
+    last_exit: int | None = None
+    last_exit_at: float | None = None
+    recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_LINES))
+
+
+def _plain_line(line: str) -> tuple[int, str]:
+    return logging.INFO, line
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    name: str
+    log: logging.Logger
+    # The command line (and environment, None: ours), prepared anew for every start.
+    command: Callable[[], Awaitable[Sequence[str]]]
+    env: Callable[[], Mapping[str, str] | None] = lambda: None
+    cwd: str | None = None
+    parse_line: Callable[[str], tuple[int, str]] = _plain_line
+    restart_initial_s: float = 1.0
+    restart_max_s: float = 60.0
+    stable_after_s: float = 60.0
+    stop_timeout_s: float = 10.0
+    # Errors that mean the command cannot be started (logged, then retried).
+    start_errors: tuple[type[Exception], ...] = (OSError,)
+    # Exit codes after which restarting cannot help: ``run`` returns them.
+    final_exit_codes: frozenset[int] = frozenset()
+
+
+class SupervisedChild:
+    """Keeps one child process running; see the module docstring."""
+
+    def __init__(self, spec: ChildSpec) -> None:
+        self.spec = spec
+        self.state = ChildState()
+        self._stopped = asyncio.Event()
+        self._proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    def send(self, data: bytes, *, max_buffered: int) -> bool:
+        """Writes ``data`` to the child's stdin without waiting; False (nothing written)
+        if no child runs or more than ``max_buffered`` bytes are still unread there."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None or proc.stdin is None:
+            return False
+        if proc.stdin.is_closing() or proc.stdin.transport.get_write_buffer_size() > max_buffered:
+            return False
+        proc.stdin.write(data)
+        return True
+
+    async def run(self) -> int | None:
+        """Runs the child until ``stop`` (None), restarting it with backoff when it
+        exits, or until it exits with one of the spec's final exit codes (returned)."""
+        spec = self.spec
+        backoff = Backoff(spec.restart_initial_s, spec.restart_max_s)
+        while not self._stopped.is_set():
+            started = time.monotonic()
+            try:
+                code: int | None = await self._run_once()
+            except spec.start_errors as e:
+                spec.log.error("cannot start %s: %s", spec.name, e)
+                self.state.recent_errors.append(str(e))
+                code = None
+            if self._stopped.is_set():
+                return None
+            if code in spec.final_exit_codes:
+                spec.log.error("%s exited (code %s)", spec.name, code)
+                return code
+            if time.monotonic() - started >= spec.stable_after_s:
+                backoff.reset()
+            delay = backoff.next_delay()
+            spec.log.warning("%s exited (code %s); restarting in %.1f s", spec.name, code, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), delay)
+        return None
+
+    async def stop(self) -> None:
+        """Stops the child (SIGTERM, then SIGKILL after ``stop_timeout_s``)."""
+        self._stopped.set()
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), self.spec.stop_timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def _run_once(self) -> int:
+        spec = self.spec
+        argv = await spec.command()
+        if self._stopped.is_set():
+            return 0
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env=spec.env(),
+            cwd=spec.cwd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            limit=MAX_LINE,
+            start_new_session=True,  # a ^C to serve reaches us, and we stop it in order
+        )
+        self._proc = proc
+        self.state.pid = proc.pid
+        self.state.starts += 1
+        spec.log.info("%s started (pid %d)", spec.name, proc.pid)
+        assert proc.stdout is not None
+        try:
+            await self._relay(proc.stdout)
+            code = await proc.wait()
+        except asyncio.CancelledError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
+        finally:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        self.state.last_exit = code
+        self.state.last_exit_at = time.time()
+        self.state.pid = None
+        return code
+
+    async def _relay(self, stream: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # a line over MAX_LINE: skip what is left of it
+                raw = await stream.read(MAX_LINE)
+            if not raw:
+                return
+            line = raw.decode("utf-8", "replace").rstrip()
+            if not line:
+                continue
+            level, text = self.spec.parse_line(line)
+            if level >= logging.WARNING:
+                self.state.recent_errors.append(text)
+            self.spec.log.log(level, "%s", text)
