@@ -31,6 +31,7 @@ How the iteration ends:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self
@@ -91,6 +92,10 @@ class MessageSource(Protocol):
 
     async def next_message(self) -> Any: ...
 
+    async def next_messages(self, limit: int) -> list[Any]:
+        """``next_message`` for what has arrived: at least one message, at most ``limit``."""
+        ...
+
     async def ack_received(self) -> None: ...
 
     async def close(self) -> None: ...
@@ -114,6 +119,10 @@ class _ChannelMessages:
         self._pending_ack = envelope.id
         return envelope.messages[0]
 
+    async def next_messages(self, limit: int) -> list[Any]:
+        # v6 frames carry one message each and are acked one by one.
+        return [await self.next_message()]
+
     async def ack_received(self) -> None:
         if self._pending_ack is not None:
             pending, self._pending_ack = self._pending_ack, None
@@ -133,6 +142,7 @@ class Subscription:
             _ChannelMessages(source) if isinstance(source, Channel) else source
         )
         self._done = False
+        self._held: list[Any] = []  # received, not handed out: an error after good messages
 
     @property
     def url(self) -> str:
@@ -147,27 +157,52 @@ class Subscription:
         return self
 
     async def __anext__(self) -> SubscriptionMessage:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            raw = await self._source.next_message()
-        except ChannelEnded as ended:
-            closed_by_caller = self._done  # close() ran while we were waiting
-            await self._finish()
-            if ended.error is None or closed_by_caller:
-                raise StopAsyncIteration from None
-            raise ended.error from None
-        try:
-            message = parse_downstream_message(raw)
-        except MessageValidationError as e:
-            await self._finish()
-            raise InvalidMessageError(f"invalid message from the server: {e}") from e
-        if isinstance(message, DownstreamError):
-            # The server waits for this ack before it closes.
-            await self._source.ack_received()
-            await self._finish()
-            raise error_from_message(message)
-        return message
+        return (await self._next(1))[0]
+
+    async def batches(self, limit: int = 1000) -> AsyncIterator[list[SubscriptionMessage]]:
+        """The messages in lists of what has arrived (at most ``limit``): for a caller
+        that handles many at once. The same ack rule, per list: a list is acked when
+        the next one is asked for. Ends like the iteration."""
+        while True:
+            try:
+                yield await self._next(limit)
+            except StopAsyncIteration:
+                return
+
+    async def _next(self, limit: int) -> list[SubscriptionMessage]:
+        """The next messages (at least one); raises ``StopAsyncIteration`` at the end."""
+        raws, self._held = self._held, []
+        if not raws:
+            if self._done:
+                raise StopAsyncIteration
+            try:
+                raws = await self._source.next_messages(limit)
+            except ChannelEnded as ended:
+                closed_by_caller = self._done  # close() ran while we were waiting
+                await self._finish()
+                if ended.error is None or closed_by_caller:
+                    raise StopAsyncIteration from None
+                raise ended.error from None
+        messages: list[SubscriptionMessage] = []
+        for i, raw in enumerate(raws):
+            try:
+                message = parse_downstream_message(raw)
+            except MessageValidationError as e:
+                if messages:  # hand out what came before it first
+                    self._held = raws[i:]
+                    return messages
+                await self._finish()
+                raise InvalidMessageError(f"invalid message from the server: {e}") from e
+            if isinstance(message, DownstreamError):
+                if messages:
+                    self._held = raws[i:]
+                    return messages
+                # The server waits for this ack before it closes.
+                await self._source.ack_received()
+                await self._finish()
+                raise error_from_message(message)
+            messages.append(message)
+        return messages
 
     async def close(self) -> None:
         """Closes the connection (idempotent); the iteration then ends cleanly."""

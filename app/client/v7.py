@@ -138,6 +138,7 @@ class V7Connection:
         self._frames: asyncio.Queue[Envelope | None] = asyncio.Queue()  # None: the end
         self._current: Envelope | None = None  # the frame being handed out
         self._index = 0  # the next message of _current to hand out
+        self._handed_out: list[int] = []  # frames handed out whole by next_messages, unacked
         self._frames_received = 0
         self._end: ChannelEnded | None = None
         self._iteration_done = False
@@ -242,6 +243,8 @@ class V7Connection:
         messages. Raises :class:`ChannelEnded` once the socket is gone and
         every frame received before that was handed out.
         """
+        if self._handed_out:
+            await self._ack_handed_out()
         while True:
             current = self._current
             if current is not None:
@@ -259,6 +262,51 @@ class V7Connection:
             self._current = envelope
             self._index = 0
 
+    async def next_messages(self, limit: int) -> list[Any]:
+        """Every message received and not yet handed out, up to ``limit``; waits for one.
+
+        A batch of :meth:`next_message`: frames are acked by the *next* call, once the
+        caller has finished with all their messages, so acks never run ahead of it.
+        """
+        await self._ack_handed_out()
+        out: list[Any] = []
+        while len(out) < limit:
+            current = self._current
+            if current is not None and self._index < len(current.messages):
+                taken = current.messages[self._index : self._index + limit - len(out)]
+                out.extend(taken)
+                self._index += len(taken)
+                continue
+            if out and self._frames.empty():
+                break
+            if current is not None:  # handed out whole: acked by the next call
+                self._handed_out.append(current.id)
+                self._current = None
+            if out:
+                envelope = self._frames.get_nowait()
+            else:  # nothing handed out yet: empty frames skipped so far are done with
+                await self._ack_handed_out()
+                envelope = await self._frames.get()
+            if envelope is None:
+                self._frames.put_nowait(None)  # every later call ends too
+                if out:
+                    break
+                assert self._end is not None
+                raise ChannelEnded(self._end.error)
+            self._current = envelope
+            self._index = 0
+        return out
+
+    async def _ack_handed_out(self) -> None:
+        """Acks, in order, the frames of earlier batches and a current frame handed out whole."""
+        current = self._current
+        if current is not None and self._index >= len(current.messages):
+            self._handed_out.append(current.id)
+            self._current = None
+        handed, self._handed_out = self._handed_out, []
+        for frame_id in handed:
+            await self._channel.ack(frame_id)
+
     async def ack_consumed(self) -> None:
         """Acks the current frame now if all its messages were handed out.
 
@@ -272,6 +320,9 @@ class V7Connection:
 
     async def ack_received(self) -> None:
         """Acks the frame of the last message handed out now, consumed or not (errors)."""
+        handed, self._handed_out = self._handed_out, []
+        for frame_id in handed:
+            await self._channel.ack(frame_id)
         current, self._current = self._current, None
         if current is not None:
             await self._channel.ack(current.id)

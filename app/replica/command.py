@@ -18,6 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
+from app.client import ChangeStreamerClient
 from app.replica.errors import ReplicaError, ResyncRequiredError
 from app.replica.runner import run_replicator
 
@@ -45,11 +46,25 @@ def add_replicate_arguments(parser: argparse.ArgumentParser) -> None:
         "--task-id",
         help="the task whose snapshot reservation this subscription ends (after a restore)",
     )
+    parser.add_argument(
+        "--protocol-version",
+        type=int,
+        choices=(6, 7),
+        default=6,
+        help="6: /replication/v6/changes, one message a frame; 7: /subscribe, batch frames",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="default info",
+    )
 
 
 def run_replicate(args: argparse.Namespace) -> int:
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     replica: Path = args.replica
     if not replica.exists():
@@ -66,6 +81,7 @@ def run_replicate(args: argparse.Namespace) -> int:
                 replica,
                 args.subscriber_id or f"replicate-{os.getpid()}",
                 args.task_id,
+                protocol_version=args.protocol_version,
             )
         )
     except ResyncRequiredError as e:
@@ -77,7 +93,14 @@ def run_replicate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _replicate(url: str, replica: Path, subscriber_id: str, task_id: str | None) -> None:
+async def _replicate(
+    url: str,
+    replica: Path,
+    subscriber_id: str,
+    task_id: str | None,
+    *,
+    protocol_version: int,
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -92,6 +115,12 @@ async def _replicate(url: str, replica: Path, subscriber_id: str, task_id: str |
 
     log.info("replicating %s into %s", url, replica)
     await run_replicator(
-        url, replica, subscriber_id=subscriber_id, stop=stop, task_id=task_id, on_commit=count
+        url,
+        replica,
+        subscriber_id=subscriber_id,
+        stop=stop,
+        task_id=task_id,
+        on_commit=count,
+        client=ChangeStreamerClient(url, protocol_version=protocol_version),
     )
     log.info("stopped after %d transactions", commits)

@@ -99,7 +99,7 @@ async def _session(
 ) -> int:
     subscription = await client.subscribe(ctx)
     async with subscription:
-        return await replicator.consume(subscription)
+        return await replicator.consume(subscription.batches())
 
 
 async def _unless_stopped(session: asyncio.Task[int], stop: asyncio.Event) -> int | None:

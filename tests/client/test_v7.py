@@ -14,6 +14,7 @@ from app.client import (
     InvalidMessageError,
     ProtocolError,
     SnapshotStatus,
+    StreamTooFarBehindError,
     Subscription,
     SubscriptionContext,
     V7Connection,
@@ -332,3 +333,38 @@ async def test_an_ack_for_a_frame_never_sent_is_an_invalid_message() -> None:
         with pytest.raises(InvalidMessageError, match="acked frame 5, which was not sent"):
             await asyncio.wait_for(conn.send(["reserve-snapshot", {"taskID": "t8"}]), TIMEOUT)
         assert conn.closed.is_set()
+
+
+async def test_batches_hand_out_what_arrived_and_ack_when_the_next_batch_is_asked_for() -> None:
+    """``Subscription.batches`` (the replicator's way to read): every message received so
+    far in one list, frames acked in order only once the caller asks for more, and an
+    in-band error after good messages raised only after those were handed out."""
+    b2, d2, c2 = txn("02")
+    b3, d3, c3 = txn("03")
+    too_far = ["error", {"type": ErrorType.STREAM_TOO_FAR_BEHIND, "message": "slow"}]
+    frames = (
+        dumps({"id": 1, "batch": [["status", {"tag": "status"}], b2, d2]}),
+        dumps({"id": 2, "msg": c2}),
+        dumps({"id": 3, "batch": [b3, d3, c3]}),
+        dumps({"id": 4, "batch": [["status", {"tag": "status"}], too_far]}),
+    )
+    async with stub_server(_acking(*frames)) as stub:
+        conn = await v7(stub).connect("t1")
+        await wait_until(lambda: conn.frames_received == 4, "every frame to arrive")
+        batches = Subscription(conn, ctx()).batches(limit=5)
+        first = await asyncio.wait_for(anext(batches), TIMEOUT)
+        assert [m.kind for m in first] == ["status", "begin", "data", "commit", "begin"]
+        await conn.send(["marker", {"n": 1}])  # nothing is acked while the caller works
+        second = await asyncio.wait_for(anext(batches), TIMEOUT)
+        assert [m.kind for m in second] == ["data", "commit", "status"]
+        await conn.send(["marker", {"n": 2}])
+        with pytest.raises(StreamTooFarBehindError):
+            await asyncio.wait_for(anext(batches), TIMEOUT)
+    assert [loads(f) for f in stub.received[0]] == [
+        {"id": 1, "msg": ["marker", {"n": 1}]},
+        {"ack": 1},  # frames 1 and 2 were handed out whole by the first batch
+        {"ack": 2},
+        {"id": 2, "msg": ["marker", {"n": 2}]},
+        {"ack": 3},  # asking past the second batch
+        {"ack": 4},  # the error's frame: the server waits for it before closing
+    ]

@@ -26,15 +26,18 @@ def tx(watermark: str, *changes: dict[str, Any]) -> list[list[Any]]:
 
 
 async def stream(
-    messages: Sequence[list[Any]], fail: BaseException | None = None
-) -> AsyncIterator[ReplicaMessage]:
-    for m in messages:
-        yield parse_downstream_message(m)
+    messages: Sequence[list[Any]], fail: BaseException | None = None, *, size: int = 1
+) -> AsyncIterator[list[ReplicaMessage]]:
+    """The messages in batches of ``size`` (a subscription's ``batches``)."""
+    parsed = [parse_downstream_message(m) for m in messages]
+    for start in range(0, len(parsed), size):
+        yield parsed[start : start + size]
     if fail is not None:
         raise fail
 
 
-async def test_consume_applies_transactions_and_reports_commits(replica: Path) -> None:
+@pytest.mark.parametrize("size", [1, 3, 100])
+async def test_consume_applies_transactions_and_reports_commits(replica: Path, size: int) -> None:
     results: list[CommitResult] = []
     async with Replicator(replica, on_commit=results.append) as replicator:
         assert (replicator.replica_version, replicator.watermark) == ("01", "01")
@@ -43,7 +46,7 @@ async def test_consume_applies_transactions_and_reports_commits(replica: Path) -
             *tx("02", create_table(), create_index()),
             *tx("03", insert({"id": 1, "name": "a"})),
         ]
-        assert await replicator.consume(stream(messages)) == 2
+        assert await replicator.consume(stream(messages, size=size)) == 2
         assert replicator.watermark == "03"
     assert [(r.watermark, r.schema_updated, r.upstream_commit_time_ms) for r in results] == [
         ("02", True, 1700000000000),
@@ -93,13 +96,13 @@ async def test_reopening_resumes_where_it_left_off(replica: Path) -> None:
 
 
 async def test_change_source_messages_work_in_process(replica: Path) -> None:
-    async def source() -> AsyncIterator[ReplicaMessage]:
+    async def source() -> AsyncIterator[list[ReplicaMessage]]:
         for m in [
             *tx("02", create_table(), create_index()),
             ["status", {"ack": True}, {"watermark": "02"}],
             ["control", {"tag": "reset-required", "message": "slot lost"}],
         ]:
-            yield parse_change_source_message(m)
+            yield [parse_change_source_message(m)]
 
     async with Replicator(replica) as replicator:
         with pytest.raises(ResyncRequiredError, match="slot lost"):
