@@ -230,7 +230,11 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         else:
             runtime = await postgres_service(settings, db, prepared, address=address)
             if settings.follow_replica:
-                runtime.start_backup()
+                runtime.start_backup(
+                    settings.change_db_url,
+                    settings.shard,
+                    log_level="debug" if settings.log_level == "debug" else "warning",
+                )
             service = runtime.service
         start_backups(service, settings, replica_file=settings.replica_file if prepared else None)
         if prepared is not None and prepared.held_reservation is not None:

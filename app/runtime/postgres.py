@@ -10,8 +10,8 @@ On start:
 2. The change DB is tied to the replica (``ensure_config``): a fresh replica resets
    the change log; a log that belongs to another replica that has moved on is an
    auto-reset.
-3. The service streams from the replica's slot; an in-process backup replicator keeps
-   the replica file current (it is what backups copy).
+3. The service streams from the replica's slot; a replica follower (a child process
+   reading the change log) keeps the replica file current (it is what backups copy).
 
 An auto-reset later (reset-required from the stream) stops the service; ``serve``
 then builds everything again from step 1.
@@ -29,16 +29,23 @@ import psycopg
 
 from app.config import Settings
 from app.replica.schema import ReplicaState, read_replica_state, remove_replica_files
-from app.runtime.backup_replicator import BackupReplicator
 from app.runtime.backups import RestoreError, restore_if_missing
 from app.runtime.held_reservation import HeldReservation
 from app.runtime.options import streamer_options, task_id
+from app.runtime.replica_follower import ReplicaFollower
 from app.sources.postgres.errors import AutoResetRequired, ShardSetupError
 from app.sources.postgres.initial_sync import InitialSyncError, initial_sync
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import ReplicaRow, check_replica
 from app.sources.postgres.source import PostgresChangeSource, PostgresSourceOptions
-from app.storage import ChangeDb, Replication, ReplicationConfig, SubscriptionState
+from app.storage import (
+    AutoResetSignal,
+    ChangeDb,
+    Replication,
+    ReplicationConfig,
+    SubscriptionState,
+)
+from app.storage.engine import Shard
 from app.streamer.service import ChangeStreamerService
 
 __all__ = [
@@ -59,14 +66,40 @@ class UpstreamSetupError(Exception):
 @dataclass(slots=True)
 class PostgresRuntime:
     service: ChangeStreamerService
-    backup: BackupReplicator
     replica: ReplicaState
+    replica_file: Path
     slot: str
+    follower: ReplicaFollower | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
-    def start_backup(self) -> None:
-        """Starts the backup replicator; it ends when the service stops."""
-        task = asyncio.create_task(self.backup.run(), name="backup-replicator")
+    def start_backup(self, change_db_url: str, shard: Shard, *, log_level: str = "warning") -> None:
+        """Keeps the replica file current from the change log in a child process, once
+        the service owns the log; it stops with the service."""
+        follower = self.follower = ReplicaFollower(
+            self.replica_file, change_db_url, shard, log_level=log_level
+        )
+        service = self.service
+        service.durable_listeners.append(follower.notify)
+
+        async def follow() -> None:
+            owning = asyncio.ensure_future(service.owning.wait())
+            stopped = asyncio.ensure_future(service.stopped.wait())
+            await asyncio.wait({owning, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            owning.cancel()
+            if not stopped.done():
+                run = asyncio.ensure_future(follower.run())
+                await asyncio.wait({run, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                await follower.stop()
+                if await run:
+                    # As a backup subscriber that is behind the log would: reset.
+                    service.fail(
+                        AutoResetSignal(
+                            f"the change log cannot bring replica {self.replica_file} forward"
+                        )
+                    )
+            stopped.cancel()
+
+        task = asyncio.create_task(follow(), name="replica-follower")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -157,10 +190,7 @@ async def postgres_service(
         state.state_version,
     )
     return PostgresRuntime(
-        service=service,
-        backup=BackupReplicator(service, settings.replica_file),
-        replica=state,
-        slot=row.slot,
+        service=service, replica=state, replica_file=settings.replica_file, slot=row.slot
     )
 
 

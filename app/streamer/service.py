@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -216,6 +217,8 @@ class ChangeStreamerService:
         self.coverage_target = durable_watermark
         self.backup_state: BackupState | None = None
         self._durable_at: deque[tuple[str, float]] = deque(maxlen=DURABLE_HISTORY)
+        # Called with each durable commit watermark (the replica follower's wake-up).
+        self.durable_listeners: list[Callable[[str], None]] = []
         self.serving_started = asyncio.Event()
         # Set once this task owns the change log (purges check that ownership).
         self.owning = asyncio.Event()
@@ -305,6 +308,10 @@ class ChangeStreamerService:
     def stopped(self) -> asyncio.Event:
         """Set once ``stop`` was called."""
         return self._stopped
+
+    def fail(self, error: BaseException) -> None:
+        """Stops the service with ``error`` (an ``AutoResetSignal`` also flags the reset)."""
+        self._on_fatal(error)
 
     def _on_fatal(self, error: BaseException) -> None:
         async def stop_and_flag() -> None:
@@ -621,6 +628,8 @@ class ChangeStreamerService:
         if self._commit_clock is not None:
             self._commit_clock.record(watermark)
         self.acker.track_change_log(watermark)
+        for listener in self.durable_listeners:
+            listener(watermark)
 
     @property
     def backup_covered(self) -> bool:

@@ -1,0 +1,119 @@
+"""The service's own replica, kept current from the change log by a child process.
+
+``ReplicaFollower`` runs ``python -m app.runtime.log_follower`` (see there for what
+it does and why it is a process that reads the log rather than a subscriber) under
+``app.supervise``: restarted with backoff when it exits, stopped with the service.
+``notify`` passes each durable commit watermark to it as a line on its stdin, so it
+applies a commit moments after the commit is stored; while it is behind, lines are
+dropped rather than buffered (it reads ``lastWatermark`` itself then).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+from app.runtime.log_follower import CHANGE_DB_ENV, EXIT_RESYNC, POLL_S
+from app.storage.engine import Shard
+from app.supervise import ChildSpec, ChildState, SupervisedChild
+
+__all__ = ["ReplicaFollower"]
+
+log = logging.getLogger("app.replica.follower")
+
+RESTART_INITIAL_S: Final = 0.5
+RESTART_MAX_S: Final = 30.0
+# Unread notification bytes past which we stop writing more (the child is behind).
+MAX_BUFFERED: Final = 4096
+
+_LEVELS: Final = {
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARNING": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+}
+
+
+class ReplicaFollower:
+    """Keeps ``replica_file`` applied up to the change log's ``lastWatermark``."""
+
+    def __init__(
+        self,
+        replica_file: Path,
+        change_db_url: str,
+        shard: Shard,
+        *,
+        log_level: str = "warning",
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.replica_file = replica_file
+        self._poll_s = poll_s
+        self._change_db_url = change_db_url
+        self._shard = shard
+        self._log_level = log_level
+        self._child = SupervisedChild(
+            ChildSpec(
+                name="replica follower",
+                log=log,
+                command=self._command,
+                env=self._env,
+                parse_line=parse_line,
+                restart_initial_s=RESTART_INITIAL_S,
+                restart_max_s=RESTART_MAX_S,
+                stable_after_s=30.0,
+                stop_timeout_s=10.0,
+                final_exit_codes=frozenset({EXIT_RESYNC}),
+            )
+        )
+
+    @property
+    def state(self) -> ChildState:
+        return self._child.state
+
+    def notify(self, watermark: str) -> None:
+        """A commit is durable in the change log (called on the event loop; never waits)."""
+        self._child.send(watermark.encode("ascii") + b"\n", max_buffered=MAX_BUFFERED)
+
+    async def run(self) -> bool:
+        """Keeps the child running until ``stop`` (False), or until it says the change
+        log cannot bring the replica forward (True: it must be re-synced)."""
+        return await self._child.run() == EXIT_RESYNC
+
+    async def stop(self) -> None:
+        await self._child.stop()
+
+    async def _command(self) -> Sequence[str]:
+        return [
+            sys.executable,
+            "-m",
+            "app.runtime.log_follower",
+            "--replica",
+            str(self.replica_file),
+            "--app-id",
+            self._shard.app_id,
+            "--shard-num",
+            str(self._shard.shard_num),
+            "--log-level",
+            self._log_level,
+            "--poll-seconds",
+            str(self._poll_s),
+        ]
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[CHANGE_DB_ENV] = self._change_db_url
+        return env
+
+
+def parse_line(line: str) -> tuple[int, str]:
+    """The child logs ``<date> <time> LEVEL name: message``; anything else (a traceback
+    line) is a warning."""
+    parts = line.split(" ", 3)
+    if len(parts) == 4 and parts[2] in _LEVELS:
+        return _LEVELS[parts[2]], parts[3].split(": ", 1)[-1]
+    return logging.WARNING, line
