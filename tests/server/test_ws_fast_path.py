@@ -7,7 +7,10 @@ own codec, so the fast path is checked against an independent implementation.
 from __future__ import annotations
 
 import random
+import re
+import tomllib
 from collections.abc import Callable, Generator
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -266,3 +269,20 @@ def test_the_c_and_python_ack_parsers_agree(
 def test_the_c_ack_parser_takes_only_bytes() -> None:
     with pytest.raises(TypeError):
         _wsfast.ack_ids('{"ack":1}')  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("version", ["0.30.6", "0.45.0", "0.52.0"])
+def test_an_uvicorn_without_the_attributes_used_fails_at_import_saying_so(version: str) -> None:
+    with pytest.raises(
+        ImportError, match=rf"uvicorn {re.escape(version)} is too old .*>= 0\.52\.1"
+    ):
+        ws_protocol.check_uvicorn(version)
+
+
+def test_the_range_pyproject_pins_starts_where_the_attributes_exist() -> None:
+    for version in ("0.52.1", "0.54.0", "0.60", "1.0.0rc1"):
+        ws_protocol.check_uvicorn(version)
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    (pin,) = [d for d in pyproject["project"]["dependencies"] if d.startswith("uvicorn")]
+    minimum = ".".join(map(str, ws_protocol.UVICORN_MINIMUM))
+    assert pin == f"uvicorn[standard]>={minimum},<0.55"
