@@ -41,6 +41,7 @@ __all__ = [
     "active",
     "load",
     "module",
+    "requested",
     "summary",
 ]
 
