@@ -15,6 +15,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+# First: every module below picks its C helper or twin as it is imported, so a bad
+# CHANGESTREAMER_SPEEDUPS stops here with one line, like any bad setting.
+try:
+    from app import speedups
+except ValueError as e:  # speedups.SpeedupsSettingError
+    print(f"changestreamer: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+
 from app.backup.process import check_version
 from app.backup.restore import restore_replica
 from app.client import add_status_arguments, add_tail_arguments, run_status, run_tail
@@ -143,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("change DB %s is at schema revision %s", db.description, revision)
     if args.command == "migrate":
         return 0
+    log.info("speedups: %s", speedups.summary())  # which C helpers run (app/speedups.py)
     return _serve(settings, db, host=args.host, port=args.port)
 
 

@@ -35,6 +35,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from app import speedups as speedups_module
 from app.storage.engine import Shard, parse_change_db_url
 from app.storage.errors import ChangeDbConfigError
 from app.zero_settings import CATALOG, OUTSIDE_OPTIONS, OWN_EXTENSIONS, refusal, startup_notes
@@ -206,6 +207,10 @@ class Settings(BaseModel):
     demo_rate_per_s: float = Field(
         10.0, gt=0, validation_alias=_env("CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND")
     )
+    # The C helpers (app/speedups.py): 1 uses those built, 0 their pure-Python twins.
+    # app/speedups.py reads it from the process environment as the program starts;
+    # here it is only checked (and a .env line that would change it is refused).
+    speedups: bool = Field(True, validation_alias=_env(speedups_module.ENV))
 
     _startup_notes: tuple[str, ...] = PrivateAttr(default=())
 
@@ -218,6 +223,16 @@ class Settings(BaseModel):
             if text.startswith("["):
                 return json.loads(text)
             return [p.strip() for p in text.split(",") if p.strip()]
+        return value
+
+    @field_validator("speedups", mode="before")
+    @classmethod
+    def _check_speedups(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return speedups_module.requested({speedups_module.ENV: value})
+            except speedups_module.SpeedupsSettingError as e:
+                raise PydanticCustomError(_WHOLE_LINE, str(e)) from None
         return value
 
     @field_validator("log_level")
@@ -346,6 +361,11 @@ def load_settings(
         ) from None
     except (ValueError, ChangeDbConfigError) as e:
         raise SettingsError(f"invalid setting: {e}") from None
+    if environ is None and settings.speedups != speedups_module.ENABLED:
+        raise SettingsError(
+            f"{speedups_module.ENV} is read from the process environment as the program "
+            f"starts, so a {env_file} line cannot change it: set it in the environment"
+        )
     settings._startup_notes = tuple(startup_notes(env))
     return settings
 

@@ -43,10 +43,12 @@ from typing import Any
 
 import orjson
 
-try:  # the frame loop in C (bench/_rawscan.c, built by scripts/build-speedups)
-    from bench._rawscan import scan_acks
-except ImportError:  # pragma: no cover - no compiler: the Python loop below
-    scan_acks = None
+from bench._build import rawscan
+
+# The frame loop in C (bench/_rawscan.c, compiled on first use by bench/_build.py);
+# None without a compiler or with CHANGESTREAMER_SPEEDUPS=0: the Python loop below.
+_rawscan = rawscan()
+scan_acks = None if _rawscan is None else _rawscan.scan_acks
 
 _MSG = b',"msg":["'
 # A change-streamer that falls silent for this long mid-run has stalled: fail

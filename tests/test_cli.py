@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from app import speedups
 from app.config import SettingsError, load_settings
 from app.runtime.gc_tuning import YOUNG_THRESHOLD
 
@@ -115,12 +116,13 @@ def test_serve_answers_health_probes(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_")}
     env["PYTHONPATH"] = str(REPO)
     env["NODE_ENV"] = "development"
+    log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
         [*CLI, "serve", "--port", str(port)],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=log,
     )
     try:
         deadline = time.monotonic() + 30
@@ -141,10 +143,28 @@ def test_serve_answers_health_probes(tmp_path: Path) -> None:
             os_group = json.loads(r.read())["os"]
         assert os_group["gcThresholds"][0] == YOUNG_THRESHOLD
         assert os_group["gcFrozenObjects"] > 10_000  # modules, the app, its config
+        # Which C helpers run: /statz says, as does one start-up line (same environment,
+        # same install as this process, so the same choice).
+        url = f"http://127.0.0.1:{port}/statz?format=json&group=speedups"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            assert json.loads(r.read())["speedups"] == {
+                "summary": speedups.summary(),
+                **speedups.active(),
+            }
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        log.close()
     assert (tmp_path / "zero_0-cdc.db").exists()
+    lines = [
+        line for line in (tmp_path / "serve.log").read_text().splitlines() if "speedups" in line
+    ]
+    assert len(lines) == 1, lines
+    assert lines[0].endswith(f"INFO changestreamer: speedups: {speedups.summary()}")
+    if not speedups.ENABLED:
+        assert lines[0].endswith("speedups: pure Python (CHANGESTREAMER_SPEEDUPS=0)")
+    elif all(speedups.active().values()):
+        assert lines[0].endswith("speedups: C (jsscan, wsfast, rowrun, fanout)")
 
 
 def test_serve_refuses_to_start_without_an_admin_password_outside_development(

@@ -59,6 +59,7 @@ from typing import Any, Final
 
 import orjson
 
+from app import speedups
 from app.protocol.js_number import format_js_number
 
 __all__ = ["dumps", "encode_fast", "loads"]
@@ -116,13 +117,13 @@ def _encode_fast_py(value: Any) -> str | None:
 
 _FAST_TYPES: Final = frozenset({dict, list, tuple})
 
-# The same scan, and the whole fast path, in C (app/protocol/_jsscan.c, built by
-# scripts/bootstrap): one pass, and no Python frame between orjson and the str.
+# The same scan, and the whole fast path, in C (app/protocol/_jsscan.c, an optional
+# extension of the package build; app/speedups.py picks): one pass, and no Python
+# frame between orjson and the str.
 _scan: Callable[[bytes], int]
 encode_fast: Callable[[Any], str | None]
-try:
-    from app.protocol import _jsscan
-except ImportError:  # not built here (no C compiler): same answers, slower
+_jsscan = speedups.module("jsscan")
+if _jsscan is None:  # not built here, or CHANGESTREAMER_SPEEDUPS=0: same answers, slower
     _scan = scan_py
     encode_fast = _encode_fast_py
 else:
@@ -356,6 +357,6 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-if encode_fast is not _encode_fast_py:
+if _jsscan is not None:
     # The C fast path calls these; they are defined above.
     _jsscan.setup(orjson.dumps, _ORJSON_OPTIONS, _may_hold_non_finite)

@@ -16,8 +16,8 @@ must refuse to start (:func:`check_startup`). Passwords are compared in constant
 time. A denial is ``401 Unauthorized`` with ``WWW-Authenticate: Basic
 realm="Statz Protected Area"`` (resp. ``"Profile Protected Area"``).
 
-**GET /statz** — stats by group (``changeLog``, ``replication``, ``os`` from
-:func:`service_stats`). ``group=`` picks groups (comma list or repeated; unknown
+**GET /statz** — stats by group (``changeLog``, ``replication``, ``backup``, ``os``,
+``speedups`` from :func:`service_stats`). ``group=`` picks groups (comma list or repeated; unknown
 names ignored; default all); ``format=json`` answers ``{group: stats}`` (``pretty``
 present: indented), anything else ``text/plain``::
 
@@ -67,6 +67,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from app import speedups
 from app.protocol.canonical_json import dumps
 from app.server.metrics import latest_lag_report
 from app.streamer.service import ChangeStreamerService
@@ -314,12 +315,14 @@ def render_text(groups: dict[str, dict[str, Any]]) -> str:
 
 
 async def service_stats(service: ChangeStreamerService | None) -> dict[str, dict[str, Any]]:
-    """The ``changeLog``, ``replication`` and ``os`` groups; each fails on its own."""
+    """The ``changeLog``, ``replication``, ``backup``, ``os`` and ``speedups`` groups;
+    each fails on its own."""
     return {
         "changeLog": await _guarded(lambda: _change_log_stats(service)),
         "replication": await _guarded(lambda: _replication_stats(service)),
         "backup": await _guarded(lambda: _backup_stats(service)),
         "os": await _guarded(_os_stats_async),
+        "speedups": await _guarded(_speedups_stats_async),
     }
 
 
@@ -459,6 +462,16 @@ def os_stats() -> dict[str, Any]:
         "pythonImplementation": platform.python_implementation(),
         "platform": platform.platform(),
     }
+
+
+async def _speedups_stats_async() -> dict[str, Any]:
+    return speedups_stats()
+
+
+def speedups_stats() -> dict[str, Any]:
+    """Which C helpers run (app/speedups.py): the start-up log's summary, then each
+    helper's name → whether its C version (not its pure-Python twin) is in use."""
+    return {"summary": speedups.summary(), **speedups.active()}
 
 
 def _current_rss_bytes() -> int | None:

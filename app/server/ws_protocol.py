@@ -18,22 +18,50 @@ fragments, partial frames, oversized or invalid UTF-8 payloads — goes to uvico
 path untouched, so every protocol rule and error is still the library's.
 
 This leans on uvicorn's sans-I/O implementation's attributes (``conn``, ``queue``,
-``read_paused``, ``pending_ping_payload``, ``pong_timer``, ``schedule_ping``...); tests
-pin the behaviour, so an uvicorn or websockets upgrade that renames them fails loudly.
+``read_paused``, ``pending_ping_payload``, ``pong_timer``, ``schedule_ping``,
+``disconnected``...), all there from uvicorn 0.52.1 on: an older uvicorn fails at import
+with a message saying so, and tests pin the behaviour, so an uvicorn or websockets
+upgrade that renames them fails loudly.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 import struct
 from collections.abc import Callable
 from typing import Final
 
 from uvicorn._types import ASGISendEvent
-from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.http11 import Request
 from websockets.protocol import State
 
+from app import speedups
 from app.protocol.envelope import ack_frame, quick_ack
+
+# The oldest uvicorn whose sans-I/O protocol has every attribute used here (0.52.1
+# added ``disconnected`` and the closing handshake; 0.44 the ping timers; 0.35 the
+# module itself). pyproject.toml pins the range tested.
+UVICORN_MINIMUM: Final = (0, 52, 1)
+
+
+def check_uvicorn(version: str) -> None:
+    """Raises ImportError, saying what is needed, for an uvicorn older than the minimum."""
+    parts = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    found = tuple(int(p or 0) for p in parts.groups()) if parts else (0, 0, 0)
+    if found < UVICORN_MINIMUM:
+        raise ImportError(
+            f"uvicorn {version} is too old for app/server/ws_protocol.py: it needs uvicorn >= "
+            f"{'.'.join(map(str, UVICORN_MINIMUM))} (the sans-I/O websockets protocol and "
+            "the attributes this module reads); install the range pyproject.toml pins"
+        )
+
+
+check_uvicorn(importlib.metadata.version("uvicorn"))
+
+from uvicorn.protocols.websockets.websockets_sansio_impl import (  # noqa: E402
+    WebSocketsSansIOProtocol,
+)
 
 try:  # the C implementation, as websockets.frames picks it
     from websockets.speedups import apply_mask
@@ -250,7 +278,7 @@ def _ack_ids_py(data: bytes) -> list[int] | None:
 
     Every subscriber answers every message with one of these, so this is the
     hottest inbound path: no decode, no text, one unmask per frame. The same
-    contract in C (app/server/_wsfast.c, built by scripts/bootstrap) is what runs;
+    contract in C (app/server/_wsfast.c; app/speedups.py) is what runs;
     this is its fallback and the reference the tests compare it against.
     """
     ids: list[int] = []
@@ -278,11 +306,11 @@ def _ack_ids_py(data: bytes) -> list[int] | None:
 
 _ack_ids: Callable[[bytes], list[int] | None]
 _msg_frames: Callable[[int, list[str]], bytes]
-try:
-    from app.server._wsfast import ack_ids as _ack_ids
-    from app.server._wsfast import msg_frames as _msg_frames
-except ImportError:  # not built here (no C compiler): same answers, slower
+_wsfast = speedups.module("wsfast")
+if _wsfast is None:  # not built here, or CHANGESTREAMER_SPEEDUPS=0: same answers, slower
     _ack_ids, _msg_frames = _ack_ids_py, _msg_frames_py
+else:
+    _ack_ids, _msg_frames = _wsfast.ack_ids, _wsfast.msg_frames
 
 
 def _text_frames(data: bytes, max_size: int) -> list[str] | None:

@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Literal, overload
 
+from app import speedups
+
 DEFAULT_MAX_UNCONSUMED_BYTES = 64 * 1024 * 1024
 
 
@@ -33,12 +35,9 @@ def _running_totals_py(ends: list[int], messages: list[str], total: int) -> int:
 
 
 running_totals: Callable[[list[int], list[str], int], int]
-try:
-    from app.streamer import _fanout
-except ImportError:  # not built here (no C compiler): same results, slower
-    running_totals = _running_totals_py
-else:
-    running_totals = _fanout.running_totals
+# C unless not built here or CHANGESTREAMER_SPEEDUPS=0 (same results, slower).
+_fanout = speedups.module("fanout")
+running_totals = _running_totals_py if _fanout is None else _fanout.running_totals
 
 
 class DownstreamClosed(Exception):

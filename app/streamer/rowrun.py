@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from app import speedups
 from app.protocol.canonical_json import encode_fast
 from app.protocol.changes import SCHEMA_CHANGE_TAGS
 from app.protocol.messages import Data
@@ -73,9 +74,8 @@ def encode_rows_py(
 
 
 encode_rows: EncodeRows
-try:
-    from app.streamer import _rowrun
-except ImportError:  # not built here (no C compiler): same results, slower
+_rowrun = speedups.module("rowrun")
+if _rowrun is None:  # not built here, or CHANGESTREAMER_SPEEDUPS=0: same results, slower
     encode_rows = encode_rows_py
 else:
     _rowrun.setup(Data, Change, _SCHEMA_TAGS, encode_fast)

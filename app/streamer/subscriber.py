@@ -21,6 +21,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal, NamedTuple
 
+from app import speedups
 from app.protocol.downstream import status_json
 from app.protocol.errors import ErrorType, error_message_json
 from app.streamer.downstream import Downstream
@@ -77,12 +78,9 @@ def _select_live_py(
 select_live: Callable[
     [list[Change], str, frozenset[str], int, list[str], deque[tuple[int, str]]], str
 ]
-try:
-    from app.streamer import _fanout
-except ImportError:  # not built here (no C compiler): same results, slower
-    select_live = _select_live_py
-else:
-    select_live = _fanout.select_live
+# C unless not built here or CHANGESTREAMER_SPEEDUPS=0 (same results, slower).
+_fanout = speedups.module("fanout")
+select_live = _select_live_py if _fanout is None else _fanout.select_live
 
 
 class Subscriber:

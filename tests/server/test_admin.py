@@ -19,6 +19,9 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 
+from app import speedups
+from app.protocol import canonical_json
+from app.server import ws_protocol
 from app.server.admin import (
     STARTUP_ERROR,
     AdminAuth,
@@ -29,6 +32,7 @@ from app.server.admin import (
     render_text,
     service_stats,
 )
+from app.streamer import rowrun, subscriber
 from app.streamer.service import ChangeStreamerService, SubscriberContext
 
 from .conftest import REPLICA_VERSION, new_service
@@ -202,7 +206,7 @@ async def test_statz_text_has_a_section_per_group_with_key_value_lines(
     assert reply.status == 200
     assert reply.headers.get_content_type() == "text/plain"
     headings = re.findall(r"^=== (\w+) ===$", reply.text, re.MULTILINE)
-    assert headings == ["changeLog", "replication", "backup", "os"]
+    assert headings == ["changeLog", "replication", "backup", "os", "speedups"]
     change_log = reply.text.split("=== changeLog ===\n")[1].split("\n\n")[0]
     lines = change_log.splitlines()
     assert re.fullmatch(r"bytes: [1-9]\d*", lines.pop(3)), change_log  # pages in use
@@ -235,7 +239,7 @@ async def test_statz_json_holds_the_change_streamer_groups(
     assert reply.headers.get_content_type() == "application/json"
     assert b"\n" not in reply.body  # compact unless pretty
     stats = reply.json()
-    assert list(stats) == ["changeLog", "replication", "backup", "os"]
+    assert list(stats) == ["changeLog", "replication", "backup", "os", "speedups"]
     writer = stats["changeLog"].pop("writerProcess")
     assert stats["changeLog"].pop("bytes") > 0
     assert stats["changeLog"] == {"rows": 2, "minWatermark": "01", "maxWatermark": "01"}
@@ -262,6 +266,32 @@ async def test_statz_json_holds_the_change_streamer_groups(
     assert os_group["uptimeSeconds"] >= 0
     assert os_group["rssBytes"] > 0
     assert len(os_group["loadAverage"]) == 3
+
+
+async def test_statz_says_which_speedups_run_as_json_and_text(
+    service: ChangeStreamerService,
+) -> None:
+    app = admin_app(PRODUCTION, lambda: service_stats(service))
+    async with serve(app) as url:
+        reply = await get(url + "/statz?format=json&group=speedups", ADMIN)
+        text = await get(url + "/statz?group=speedups", ADMIN)
+    group = reply.json()["speedups"]
+    # What the modules really use: each site holds the C function or its Python twin.
+    in_use = {
+        "jsscan": canonical_json._scan is not canonical_json.scan_py,
+        "wsfast": ws_protocol._ack_ids is not ws_protocol._ack_ids_py,
+        "rowrun": rowrun.encode_rows is not rowrun.encode_rows_py,
+        "fanout": subscriber.select_live is not subscriber._select_live_py,
+    }
+    assert group == {"summary": speedups.summary(), **in_use}
+    if not speedups.ENABLED:
+        assert group["summary"] == "pure Python (CHANGESTREAMER_SPEEDUPS=0)"
+        assert not any(in_use.values())
+    elif all(in_use.values()):
+        assert group["summary"] == "C (jsscan, wsfast, rowrun, fanout)"
+    lines = text.text.splitlines()
+    assert lines[:2] == ["=== speedups ===", f"summary: {group['summary']}"]
+    assert lines[2:] == [f"{name}: {str(on).lower()}" for name, on in in_use.items()]
 
 
 async def test_statz_group_filter_takes_comma_lists_and_repeats_and_ignores_unknowns(

@@ -7,7 +7,10 @@ own codec, so the fast path is checked against an independent implementation.
 from __future__ import annotations
 
 import random
+import re
+import tomllib
 from collections.abc import Callable, Generator
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -15,8 +18,9 @@ from hypothesis import strategies as st
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 
+from app import speedups
 from app.protocol.envelope import quick_ack
-from app.server import _wsfast, ws_protocol
+from app.server import ws_protocol
 from app.server.ws_protocol import (
     _ack_ids_py,
     _frame_header,
@@ -24,6 +28,10 @@ from app.server.ws_protocol import (
     _text_frames,
     _text_frames_bytes,
 )
+from tests.c_helpers import built, needs
+
+_wsfast = built("app.server._wsfast")
+needs_c = needs(_wsfast, "app/server/_wsfast.c")
 
 MAX = 1 << 20
 
@@ -74,12 +82,19 @@ def test_several_server_frames_written_together_parse_back_in_order() -> None:
 
 
 MSG_FRAMES = pytest.mark.parametrize(
-    "msg_frames", [_wsfast.msg_frames, _msg_frames_py], ids=["c", "py"]
+    "msg_frames",
+    [
+        pytest.param(_wsfast and _wsfast.msg_frames, id="c", marks=needs_c),
+        pytest.param(_msg_frames_py, id="py"),
+    ],
 )
 
 
-def test_the_c_frame_builder_is_built_and_used() -> None:
-    assert ws_protocol._msg_frames is _wsfast.msg_frames
+def test_the_c_frame_builder_is_used_when_built_unless_speedups_are_off() -> None:
+    if speedups.ENABLED and _wsfast is not None:
+        assert ws_protocol._msg_frames is _wsfast.msg_frames
+    else:
+        assert ws_protocol._msg_frames is _msg_frames_py
 
 
 @MSG_FRAMES
@@ -97,6 +112,7 @@ def test_v6_frames_built_together_parse_back_with_their_ids(
     assert msg_frames(1, []) == b""
 
 
+@needs_c
 @settings(max_examples=500, deadline=None)
 @given(
     st.integers(min_value=1, max_value=2**62),
@@ -109,6 +125,7 @@ def test_the_c_and_python_frame_builders_agree(first_id: int, messages: list[str
     assert _wsfast.msg_frames(first_id, messages) == _msg_frames_py(first_id, messages)
 
 
+@needs_c
 def test_the_c_frame_builder_takes_only_strings() -> None:
     with pytest.raises(TypeError, match="messages must be str, not bytes"):
         _wsfast.msg_frames(1, ["ok", b"no"])  # type: ignore[list-item]
@@ -156,12 +173,21 @@ def test_a_frame_over_the_size_limit_goes_to_the_library() -> None:
 
 
 AckParser = Callable[[bytes], "list[int] | None"]
-# The C parser (app/server/_acks.c) runs; the Python one is its fallback and reference.
-PARSERS = pytest.mark.parametrize("parse_acks", [_wsfast.ack_ids, _ack_ids_py], ids=["c", "py"])
+# The C parser (app/server/_wsfast.c) runs; the Python one is its fallback and reference.
+PARSERS = pytest.mark.parametrize(
+    "parse_acks",
+    [
+        pytest.param(_wsfast and _wsfast.ack_ids, id="c", marks=needs_c),
+        pytest.param(_ack_ids_py, id="py"),
+    ],
+)
 
 
-def test_the_c_ack_parser_is_built_and_used() -> None:
-    assert ws_protocol._ack_ids is _wsfast.ack_ids
+def test_the_c_ack_parser_is_used_when_built_unless_speedups_are_off() -> None:
+    if speedups.ENABLED and _wsfast is not None:
+        assert ws_protocol._ack_ids is _wsfast.ack_ids
+    else:
+        assert ws_protocol._ack_ids is _ack_ids_py
 
 
 @PARSERS
@@ -211,6 +237,7 @@ def test_ack_ids_agree_with_the_general_path_on_mixed_chunks(parse_acks: AckPars
             assert parse_acks(chunk) == expected
 
 
+@needs_c
 @settings(max_examples=2000, deadline=None)
 @given(
     st.lists(
@@ -238,6 +265,24 @@ def test_the_c_and_python_ack_parsers_agree(
     assert _wsfast.ack_ids(chunk) == _ack_ids_py(chunk)
 
 
+@needs_c
 def test_the_c_ack_parser_takes_only_bytes() -> None:
     with pytest.raises(TypeError):
         _wsfast.ack_ids('{"ack":1}')  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("version", ["0.30.6", "0.45.0", "0.52.0"])
+def test_an_uvicorn_without_the_attributes_used_fails_at_import_saying_so(version: str) -> None:
+    with pytest.raises(
+        ImportError, match=rf"uvicorn {re.escape(version)} is too old .*>= 0\.52\.1"
+    ):
+        ws_protocol.check_uvicorn(version)
+
+
+def test_the_range_pyproject_pins_starts_where_the_attributes_exist() -> None:
+    for version in ("0.52.1", "0.54.0", "0.60", "1.0.0rc1"):
+        ws_protocol.check_uvicorn(version)
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    (pin,) = [d for d in pyproject["project"]["dependencies"] if d.startswith("uvicorn")]
+    minimum = ".".join(map(str, ws_protocol.UVICORN_MINIMUM))
+    assert pin == f"uvicorn[standard]>={minimum},<0.55"
