@@ -21,7 +21,7 @@ mode with ``synchronous=NORMAL``, as zero's replica (better-sqlite3 builds SQLit
 ``SQLITE_DEFAULT_WAL_SYNCHRONOUS=1``): a commit survives a crash of the process, and a
 power loss can only take the last transactions, which the replica then resumes from
 its ``stateVersion`` (the change log still has them). An fsync per replicated
-transaction cost most of the backup replicator's time. And a busy timeout, as a
+transaction cost most of the replica follower's time. And a busy timeout, as a
 replica shared with readers needs.
 
 One difference from zero: ``writeTimeMs`` is computed in Python (whole milliseconds),

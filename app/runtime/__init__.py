@@ -1,2 +1,2 @@
 """Composition: what ``serve`` builds for each upstream (the service, its replica, the
-backup replicator). The packages below this one know nothing of each other's wiring."""
+replica follower). The packages below this one know nothing of each other's wiring."""

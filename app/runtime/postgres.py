@@ -103,6 +103,10 @@ class PostgresRuntime:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def wait_closed(self) -> None:
+        """Returns once what ``start_backup`` started has stopped (after the service)."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
 
 @dataclass(frozen=True, slots=True)
 class PreparedUpstream:

@@ -4,14 +4,14 @@
 the scratch database ``hpe_<module>``, runs ``setup_sql`` there, then does what
 ``serve`` does with ``ZERO_UPSTREAM_DB`` (``prepare_upstream`` — shard setup and
 initial sync into a ``tmp_path`` replica — then ``postgres_service`` over a SQLite
-change DB), starts the service and the backup replicator, and subscribes one serving
+change DB), starts the service and the replica follower, and subscribes one serving
 subscriber at the replica version. The app ID is ``hpe`` so the slot
 (``hpe_0_<suffix>``) and the publications are this directory's own.
 
 :class:`Upstream` is what a test drives: ``execute`` on the upstream,
-``next_transaction`` from the subscriber, ``replica_rows`` once the backup replicator
-has applied a given commit. Teardown stops the service, waits for the backup
-replicator, and drops the database together with its slots (``tests/pgdb.py``).
+``next_transaction`` from the subscriber, ``replica_rows`` once the replica follower
+(a child process) has applied a given commit. Teardown stops the service, waits for
+the follower, and drops the database together with its slots (``tests/pgdb.py``).
 
 Every wait is bounded by :data:`WAIT_S`; nothing here asserts on timing.
 """
@@ -115,15 +115,17 @@ class Upstream:
         return True
 
     async def wait_replica(self, watermark: str, *, within_s: float = WAIT_S) -> None:
-        """Until the backup replicator has applied the commit at ``watermark``."""
+        """Until the replica follower has applied the commit at ``watermark``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
-        while (self.runtime.backup.watermark or "") < watermark:
+        while (at := self.replica_watermark()) < watermark:
             if loop.time() > deadline:
-                raise StreamTimeout(
-                    f"replica at {self.runtime.backup.watermark}, wanted {watermark}"
-                )
+                raise StreamTimeout(f"replica at {at}, wanted {watermark}")
             await asyncio.sleep(POLL_S)
+
+    def replica_watermark(self) -> str:
+        rows = self.replica_query('SELECT "stateVersion" FROM "_zero.replicationState"')
+        return str(rows[0][0])
 
     def replica_query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         conn = sqlite3.connect(f"file:{self.replica_file}?mode=ro", uri=True)
@@ -149,6 +151,7 @@ class Upstream:
 
     async def stop(self) -> None:
         await asyncio.wait_for(self.runtime.service.stop(), WAIT_S)
+        await asyncio.wait_for(self.runtime.wait_closed(), WAIT_S)
         for task in self._tasks:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, WAIT_S)
@@ -199,10 +202,8 @@ async def running_upstream(
             await db.dispose()
             raise
         service = runtime.service
-        tasks = [
-            asyncio.create_task(service.run(), name="hpe-service"),
-            asyncio.create_task(runtime.backup.run(), name="hpe-backup"),
-        ]
+        tasks = [asyncio.create_task(service.run(), name="hpe-service")]
+        runtime.start_backup(config.change_db_url, config.shard)
         subscriber = service.subscribe(
             SubscriberContext(
                 protocol_version=6,

@@ -376,7 +376,7 @@ async def test_ddl_needing_a_backfill_rolls_back_and_requires_a_reset(
     assert not service.stopped.is_set()
     assert service.stop_error is None
     # Nothing of the transaction reached the replica or the change log.
-    assert env.runtime.backup.commits == 0
+    assert env.replica_watermark() == env.replica_version
     assert columns(env, "foo") == {"id": ("int4|NOT_NULL", None)}
     assert tables(env) == ["foo"]
     assert await env.replica_rows("foo") == [{"id": 1}]
