@@ -144,7 +144,7 @@ async def _relay(reservation: Reservation, downstream: Downstream) -> None:
     last: asyncio.Future[bool] | None = None
     try:
         async for message in reservation:
-            last = downstream.push(message, track=True)
+            last = downstream.push([message], track=True)
         if last is not None:
             await last  # consumed, or the connection closed first
     finally:

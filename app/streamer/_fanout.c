@@ -1,7 +1,8 @@
 /* The per-change, per-subscriber loops of live fan-out, in C.
  *
- * Subscriber.send_many picks the changes a subscriber takes from a forwarded batch
- * (select_live) and Downstream.push_many records the running byte totals of what
+ * Subscriber._emit picks the changes a subscriber takes from a batch (select_live:
+ * live, caught up or drained from its backlog) and Downstream.push records the
+ * running byte totals of what
  * it queued (running_totals). Both run once per change *per subscriber*: at 16
  * subscribers they were ~14 us of the main loop's ~60 us per change. The Python
  * twins (_select_live_py in subscriber.py, _running_totals_py in downstream.py)

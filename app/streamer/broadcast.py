@@ -22,19 +22,20 @@ import math
 from functools import partial
 from typing import Any, Literal
 
-from app.streamer.subscriber import Change, Subscriber
+from app.streamer.subscriber import Subscriber
 from app.streamer.timers import TimerHandle, Timers
 
 ReleaseMode = Literal["all-subscribers", "consensus-timeout"]
 
 
 class Broadcast:
-    """Sends ``change`` to ``subscribers`` and resolves ``done`` with the release mode."""
+    """Tracks one checkpoint: ``sent`` pairs each subscriber it went to with what
+    ``Subscriber.send(..., track=True)`` returned (its consumption, a backlog gate,
+    or None: nothing to wait for); ``done`` resolves with the release mode."""
 
     def __init__(
         self,
-        subscribers: list[Subscriber],
-        change: Change,
+        sent: list[tuple[Subscriber, asyncio.Future[Any] | None]],
         *,
         timers: Timers,
         timeout_proportion: float | None,
@@ -44,16 +45,15 @@ class Broadcast:
         self._start = timers.monotonic()
         self._timer: TimerHandle | None = None
         self.done: asyncio.Future[ReleaseMode] = asyncio.get_running_loop().create_future()
-        self.total = len(subscribers)
+        self.total = len(sent)
         self.majority = self.total // 2 + 1
         self.completed = 0
-        self._pending: set[Subscriber] = set(subscribers)
-        self._awaiting_backup = any(s.mode == "backup" and not s.backlogged for s in subscribers)
-        if not subscribers:
+        self._pending: set[Subscriber] = {sub for sub, _ in sent}
+        self._awaiting_backup = any(s.mode == "backup" and not s.backlogged for s, _ in sent)
+        if not sent:
             self.done.set_result("all-subscribers")
             return
-        for sub in subscribers:
-            result = sub.send(change, track=True)
+        for sub, result in sent:
             if result is None or result.done():
                 self._complete(sub)
             else:

@@ -1,11 +1,12 @@
 """The outbound channel of one subscriber, between the streamer and a transport.
 
-The streamer ``push``es pre-serialized JSON messages; a *tracked* push returns a
-future that resolves ``True`` when the subscriber has *consumed* the message (its
-ack arrived) or ``False`` if the channel closed first, and ``on_consumed`` hears
-the consumed count after every ack. The transport (a websocket sender, or a test)
-takes messages with ``get``/``take`` in order, sends them without waiting for acks
-(pipelining), and reports acks with ``ack_next``/``ack_many``, in order.
+The streamer ``push``es pre-serialized JSON messages, a batch at a time; a
+*tracked* push returns a future that resolves ``True`` when the subscriber has
+*consumed* the batch's last message (its ack arrived) or ``False`` if the channel
+closed first, and ``on_consumed`` hears the consumed count after every ack. The
+transport (a websocket sender, or a test) takes messages with ``get``/``take`` in
+order, sends them without waiting for acks (pipelining), and reports acks with
+``ack_next``/``ack_many``, in order.
 
 Bounded: if the bytes pushed but not yet consumed exceed ``max_unconsumed_bytes``
 the channel closes itself (the subscriber is dropped and resumes from the change
@@ -98,33 +99,29 @@ class Downstream:
         self._on_consumed = callback
 
     @overload
-    def push(self, message: str) -> None: ...
+    def push(self, messages: list[str]) -> None: ...
     @overload
-    def push(self, message: str, *, track: Literal[True]) -> asyncio.Future[bool]: ...
+    def push(self, messages: list[str], *, track: Literal[True]) -> asyncio.Future[bool]: ...
     @overload
-    def push(self, message: str, *, track: bool) -> asyncio.Future[bool] | None: ...
+    def push(self, messages: list[str], *, track: bool) -> asyncio.Future[bool] | None: ...
 
-    def push(self, message: str, *, track: bool = False) -> asyncio.Future[bool] | None:
-        """Queues a message; with ``track``, returns the future of its consumption.
+    def push(self, messages: list[str], *, track: bool = False) -> asyncio.Future[bool] | None:
+        """Queues messages in order; with ``track``, returns the future of the last
+        one's consumption.
 
         Untracked pushes skip the future: most forwarded changes have nobody
-        waiting on them, and a future per change is a measurable cost. Its
-        number (``pushed`` right after the call) identifies it to ``on_consumed``.
+        waiting on them, and a future per change is a measurable cost. A message's
+        number (``pushed`` once it is queued) identifies it to ``on_consumed``.
         """
         future: asyncio.Future[bool] | None = None
         if track:
             future = asyncio.get_running_loop().create_future()
-            if self._closed:
-                future.set_result(False)
+            if self._closed or not messages:
+                future.set_result(not self._closed)
             else:  # before pushing: an overflow closes the channel and resolves it
-                self._trackers.append((self.pushed + 1, future))
-        self.push_many([message])
-        return future
-
-    def push_many(self, messages: list[str]) -> None:
-        """Queues untracked messages in order."""
+                self._trackers.append((self.pushed + len(messages), future))
         if self._closed or not messages:
-            return
+            return future
         self._unsent.extend(messages)
         total = running_totals(self._ends, messages, self._pushed_bytes)
         self._pushed_bytes = total
@@ -132,6 +129,7 @@ class Downstream:
         self._wakeup.set()
         if total - self._consumed_bytes > self._max:
             self.close(f"more than {self._max} bytes sent but not acknowledged")
+        return future
 
     async def get(self) -> str:
         """The next message to send; raises ``DownstreamClosed`` once closed."""

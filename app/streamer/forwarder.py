@@ -14,9 +14,12 @@ break for the grace period gets it disconnected with ``StreamTooFarBehind``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 from app.protocol.errors import ErrorType
 from app.streamer.broadcast import Broadcast, ReleaseMode
@@ -94,59 +97,53 @@ class Forwarder:
 
     # -- forwarding ---------------------------------------------------------
 
-    def forward(self, change: Change) -> None:
-        """Sends to every active subscriber without waiting."""
-        # A snapshot: a send can close a subscriber (its channel overflowed), which
-        # removes it from the set being iterated.
-        for sub in tuple(self.active):
-            sub.send(change)
-        self._update_state(change)
+    def forward(
+        self, changes: list[Change], *, checkpoint: bool = False
+    ) -> asyncio.Future[ReleaseMode] | None:
+        """Sends ``changes`` (in stream order) to every active subscriber, a batch per
+        subscriber, without waiting: all of it has been handed out when this returns.
 
-    def forward_many(self, changes: list[Change]) -> None:
-        """``forward`` for several changes in stream order, a batch per subscriber."""
-        if self.queued:
-            # Queued subscribers join at the next commit or rollback, which may be
-            # inside this batch: one change at a time.
-            for change in changes:
-                self.forward(change)
-            return
-        for sub in tuple(self.active):
-            sub.send_many(changes)
-        for change in reversed(changes):  # the batch's last transaction boundary
-            if change.tag == "begin":
-                self.in_transaction = True
-                break
-            if change.tag in ("commit", "rollback"):
-                self.in_transaction = False
-                break
-
-    async def forward_with_flow_control(self, change: Change) -> ReleaseMode:
-        """Sends ``change`` as a checkpoint (a tracked broadcast) and waits for the
-        release of the checkpoint before it.
-
-        Pipelined, one checkpoint deep: waiting on the newest checkpoint would drain
-        the subscribers' pipelines at every 64 KiB, and the main loop would sit idle
-        for a round trip each time (decision 33 in docs/architecture.md). A
-        subscriber that does not ack still stops the main loop within two
-        checkpoints' worth of changes.
+        Subscribers queued mid-transaction join right after the batch's next commit
+        or rollback. With ``checkpoint`` the last change is a flow-control
+        checkpoint (a tracked broadcast), and the returned future is the release of
+        the checkpoint *before* it (None if there is none to wait for): pipelined
+        one deep, since waiting on the newest would drain the subscribers' pipelines
+        at every 64 KiB and leave the main loop idle for a round trip each time
+        (decision 33 in docs/architecture.md). A subscriber that does not ack still
+        stops the main loop within two checkpoints' worth of changes.
         """
-        newest = Broadcast(
-            list(self.active), change, timers=self._timers, timeout_proportion=self._proportion
-        )
-        self._update_state(change)
-        broadcast, self._in_flight = self._in_flight, newest
-        if broadcast is None:
-            return "all-subscribers"
-        self.current = broadcast
-        start = self._timers.monotonic()
-        try:
-            mode = await broadcast.done
-        finally:
-            if self.current is broadcast:
-                self.current = None
-        self.stats.waits[mode] += 1
-        self.stats.wait_seconds += self._timers.monotonic() - start
-        return mode
+        sent: list[tuple[Subscriber, asyncio.Future[Any] | None]] = []
+        start, end = 0, len(changes)
+        while start < end:
+            stop = end if not self.queued else _after_boundary(changes, start, end)
+            part = changes if stop - start == end else changes[start:stop]
+            track = checkpoint and stop == end
+            # A snapshot: a send can close a subscriber (its channel overflowed),
+            # which removes it from the set being iterated.
+            for sub in tuple(self.active):
+                result = sub.send(part, track=track)
+                if track:
+                    sent.append((sub, result))
+            self._update_state(part)
+            start = stop
+        if not checkpoint:
+            return None
+        newest = Broadcast(sent, timers=self._timers, timeout_proportion=self._proportion)
+        waited, self._in_flight = self._in_flight, newest
+        if waited is None:
+            return None
+        self.current = waited
+        waited.done.add_done_callback(partial(self._released, waited, self._timers.monotonic()))
+        return waited.done
+
+    def _released(
+        self, broadcast: Broadcast, since: float, done: asyncio.Future[ReleaseMode]
+    ) -> None:
+        if self.current is broadcast:
+            self.current = None
+        if not done.cancelled():
+            self.stats.waits[done.result()] += 1
+            self.stats.wait_seconds += self._timers.monotonic() - since
 
     def release_current(self) -> None:
         """Lets the waiting and the in-flight checkpoint go (the upstream stream
@@ -162,14 +159,19 @@ class Forwarder:
         for sub in tuple(self.active):
             sub.send_status()
 
-    def _update_state(self, change: Change) -> None:
-        if change.tag == "begin":
-            self.in_transaction = True
-        elif change.tag in ("commit", "rollback"):
-            self.in_transaction = False
-            if self.queued:
-                self.active |= self.queued
-                self.queued.clear()
+    def _update_state(self, changes: list[Change]) -> None:
+        """The transaction state after ``changes``: from their last boundary."""
+        for change in reversed(changes):
+            tag = change.tag
+            if tag == "begin":
+                self.in_transaction = True
+                return
+            if tag == "commit" or tag == "rollback":
+                self.in_transaction = False
+                if self.queued:
+                    self.active |= self.queued
+                    self.queued.clear()
+                return
 
     # -- progress and laggards ----------------------------------------------
 
@@ -235,3 +237,12 @@ class Forwarder:
         self.active.clear()
         self.queued.clear()
         self._rates.clear()
+
+
+def _after_boundary(changes: list[Change], start: int, end: int) -> int:
+    """The index after the first commit or rollback in ``changes[start:end]`` (else end)."""
+    for i in range(start, end):
+        tag = changes[i].tag
+        if tag == "commit" or tag == "rollback":
+            return i + 1
+    return end

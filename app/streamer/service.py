@@ -365,7 +365,7 @@ class ChangeStreamerService:
         if self._tx is not None:
             log.info("upstream ended inside transaction %s: rolling it back", self._tx)
             self.storer.abort()
-            self.forwarder.forward(Change(self._tx, "rollback", SYNTHETIC_ROLLBACK_JSON))
+            self.forwarder.forward([Change(self._tx, "rollback", SYNTHETIC_ROLLBACK_JSON)])
             self._tx = None
         self.forwarder.release_current()
         if storer_task is not None:
@@ -471,14 +471,17 @@ class ChangeStreamerService:
         ended: asyncio.Future[None],
         storer: asyncio.Task[None],
     ) -> bool:
-        """Forwards ``forwarding``, then ``change`` as a flow-control checkpoint,
-        and waits for its release; False if the upstream ended first."""
-        self._forward(forwarding)
-        released = asyncio.ensure_future(self.forwarder.forward_with_flow_control(change))
+        """Forwards ``forwarding`` and then ``change`` as a flow-control checkpoint
+        (synchronously: nothing is left to forward at the await), and waits for the
+        release of the checkpoint before it; False if the upstream ended first."""
+        forwarding.append(change)
+        released = self.forwarder.forward(forwarding, checkpoint=True)
+        forwarding.clear()
+        if released is None:
+            return True
         await self._race(released, ended, storer)
         if not released.done():
             self.forwarder.release_current()
-            released.cancel()
             self._raise_if_ended(ended)
             return False
         return True
@@ -486,7 +489,7 @@ class ChangeStreamerService:
     def _forward(self, changes: list[Change]) -> None:
         """Forwards and empties ``changes``."""
         if changes:
-            self.forwarder.forward_many(changes)
+            self.forwarder.forward(changes)
             changes.clear()
 
     async def _race(

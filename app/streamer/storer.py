@@ -552,9 +552,10 @@ class Storer:
                 if last is not None:
                     await last  # at most two batches in memory
                     last = None
+                if sub.closed:
+                    return
+                changes: list[Change] = []
                 for watermark, _pos, change, _pre in batch:
-                    if sub.closed:
-                        return
                     if watermark == start:
                         found = True
                         continue
@@ -570,11 +571,8 @@ class Storer:
                         )
                         return
                     tag = change_tag(change)
-                    consumed = sub.catchup(
-                        Change(watermark, tag, reconstruct(watermark, tag, change))
-                    )
-                    if consumed is not None:
-                        last = consumed
+                    changes.append(Change(watermark, tag, reconstruct(watermark, tag, change)))
+                last = sub.catchup(changes)
             if not found and not rows_seen:
                 log.info(
                     "subscriber %s at %s is ahead of the durable change log (%s)",

@@ -3,9 +3,10 @@
 A subscriber starts at the watermark its replica is at. Until catch-up from the
 change log is done, live changes go to a backlog (bounded by bytes: at the high
 water mark the live send returns a gate that opens at the low water mark, which
-is how a catching-up subscriber eventually holds up flow control). Catch-up
-rows and then the backlog are emitted through one filter, ``watermark <=
-self.watermark ⇒ drop``, which is what makes the catch-up → live handoff
+is how a catching-up subscriber eventually holds up flow control). Live batches,
+catch-up batches and then the backlog are all emitted by ``_emit``, through one
+filter (``select_live``: ``watermark <= self.watermark ⇒ drop``, plus the tags its
+protocol version does not know), which is what makes the catch-up → live handoff
 duplicate-free.
 
 ``acked`` advances only when a *commit* message is consumed (acked by the
@@ -32,6 +33,8 @@ Mode = Literal["serving", "backup"]
 
 BACKLOG_HIGH_WATER = 16 * 1024 * 1024
 BACKLOG_LOW_WATER_FRACTION = 0.8
+# The backlog is emitted in chunks of about this many bytes.
+DRAIN_CHUNK_BYTES = 256 * 1024
 # Protocol versions below 5 do not know this tag (spec/source.md §1.9).
 _MIN_VERSION: dict[str, int] = {"update-table-metadata": 5}
 
@@ -61,7 +64,8 @@ def _select_live_py(
     texts: list[str],
     commits: deque[tuple[int, str]],
 ) -> str:
-    """What a live subscriber at ``watermark`` takes of a forwarded batch: appends
+    """What a subscriber at ``watermark`` takes of a batch (live, caught up or
+    drained from its backlog): appends
     the texts to ``texts`` and (message number, watermark) of each commit to
     ``commits`` (messages numbered on from ``pushed``); returns the new watermark.
     ``app/streamer/_fanout.c`` is the same in C (it runs per change per subscriber)."""
@@ -146,48 +150,45 @@ class Subscriber:
 
     # -- live path ----------------------------------------------------------
 
-    def send(self, change: Change, *, track: bool = False) -> asyncio.Future[Any] | None:
-        """A live change. With ``track``, returns what flow control waits on, if anything.
+    def send(self, changes: list[Change], *, track: bool = False) -> asyncio.Future[Any] | None:
+        """Live changes, in stream order. With ``track``, returns what flow control
+        waits on for the last one, if anything.
 
-        Emitted directly: the consumption of the change. In catch-up: None while
-        the backlog is below high water, else the gate that opens at low water
-        (returned whether tracked or not: it is also the backlog's bound).
+        Emitted directly: the consumption of the last change (None if this
+        subscriber does not take it). In catch-up: None while the backlog is below
+        high water, else the gate that opens at low water (returned whether tracked
+        or not: it is also the backlog's bound).
         """
-        if self._closed or change.watermark <= self.watermark:
+        if self._closed:
             return None
-        if self._backlog is None:
-            return self._emit(change, track=track)
-        self._backlog.append(change)
-        self._backlog_bytes += len(change.json)
+        backlog = self._backlog
+        if backlog is None:
+            return self._emit(changes, track=track)
+        watermark = self.watermark
+        size = 0
+        for change in changes:
+            if change.watermark > watermark:
+                backlog.append(change)
+                size += len(change.json)
+        self._backlog_bytes += size
         if self.buffered_bytes < self._high_water:
             return None
         if self._gate is None:
             self._gate = asyncio.get_running_loop().create_future()
         return self._gate
 
-    def send_many(self, changes: list[Change]) -> None:
-        """Live changes, untracked, in order: ``send`` for a forwarded batch."""
-        if self._closed or self._backlog is not None:
-            for change in changes:
-                self.send(change)  # the backlog's gate is its own bound
-            return
-        texts: list[str] = []
-        self.watermark = select_live(
-            changes, self.watermark, self._unsupported, self.downstream.pushed, texts, self._commits
-        )
-        self.downstream.push_many(texts)
-
     def send_status(self) -> None:
         """Forwards the latest lag report; ignored before the initial status was sent."""
         if self._initialized and not self._closed and self.protocol_version >= 2:
-            self.downstream.push(status_json(self._latest_lag_report()))
+            self.downstream.push([status_json(self._latest_lag_report())])
 
     # -- catch-up path ------------------------------------------------------
 
-    def catchup(self, change: Change) -> asyncio.Future[bool] | None:
-        """A change read from the change log; returns the consumption of commits."""
+    def catchup(self, changes: list[Change]) -> asyncio.Future[bool] | None:
+        """Changes read from the change log; returns the consumption of the last one
+        this subscriber takes (the caller waits on it before reading much more)."""
         self._initialize()
-        return self._emit(change, track=change.tag == "commit")
+        return self._emit(changes, track=True)
 
     def set_caught_up(self) -> None:
         """Catch-up is done: drain the backlog (bounded in flight), then go live."""
@@ -197,15 +198,19 @@ class Subscriber:
         self._drain_task = asyncio.create_task(self._drain(), name=f"drain-{self.id}")
 
     async def _drain(self) -> None:
-        # Emit the backlog oldest first, keeping at most high-water bytes emitted
-        # but unconsumed. Live sends keep appending meanwhile, preserving order.
+        # Emit the backlog oldest first, in chunks, keeping at most high-water bytes
+        # emitted but unconsumed. Live sends keep appending meanwhile, preserving order.
         backlog = self._backlog
         assert backlog is not None
         while backlog and not self._closed:
-            change = backlog.popleft()
-            size = len(change.json)
+            chunk: list[Change] = []
+            size = 0
+            while backlog and size < DRAIN_CHUNK_BYTES:
+                change = backlog.popleft()
+                chunk.append(change)
+                size += len(change.json)
             self._backlog_bytes -= size
-            consumed = self._emit(change, track=True)
+            consumed = self._emit(chunk, track=True)
             if consumed is not None:
                 self._drain_bytes += size
                 consumed.add_done_callback(partial(self._drained, size))
@@ -236,19 +241,25 @@ class Subscriber:
             return
         self._initialized = True
         if self.protocol_version >= 2 and not self._closed:
-            self.downstream.push(status_json(self._latest_lag_report()))
+            self.downstream.push([status_json(self._latest_lag_report())])
 
-    def _emit(self, change: Change, *, track: bool) -> asyncio.Future[bool] | None:
-        """Pushes ``change``; returns its consumption if tracked."""
-        if self._closed or change.watermark <= self.watermark:
+    def _emit(self, changes: list[Change], *, track: bool) -> asyncio.Future[bool] | None:
+        """Pushes what this subscriber takes of ``changes`` (``select_live``); with
+        ``track``, returns the consumption of the last change if it was taken."""
+        if self._closed or not changes:
             return None
-        if change.tag in self._unsupported:
-            return None
-        consumed = self.downstream.push(change.json, track=track)
-        if change.tag == "commit":
-            self.watermark = change.watermark
-            self._commits.append((self.downstream.pushed, change.watermark))
-        return consumed
+        texts: list[str] = []
+        before = self.watermark
+        after = self.watermark = select_live(
+            changes, before, self._unsupported, self.downstream.pushed, texts, self._commits
+        )
+        if track:
+            last = changes[-1]
+            if last.tag == "commit":  # taken: it moved the watermark to its own
+                track = after == last.watermark and before < after
+            else:
+                track = last.watermark > after and last.tag not in self._unsupported
+        return self.downstream.push(texts, track=track)
 
     def _on_consumed(self, consumed: int) -> None:
         """Acks arrived: the newest consumed commit is the acked watermark."""
@@ -271,7 +282,7 @@ class Subscriber:
             self.downstream.close(message or None)
             return
         self._stop_buffering()
-        sent = self.downstream.push(error_message_json(error_type, message), track=True)
+        sent = self.downstream.push([error_message_json(error_type, message)], track=True)
         self._closed = True
         sent.add_done_callback(lambda _: self.downstream.close(message))
 

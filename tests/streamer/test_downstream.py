@@ -10,7 +10,7 @@ from app.streamer.downstream import Downstream, DownstreamClosed
 async def test_messages_come_out_in_order_singly_and_in_takes() -> None:
     ds = Downstream()
     for i in range(10):
-        ds.push(f"m{i}")
+        ds.push([f"m{i}"])
     assert await ds.get() == "m0"
     assert ds.get_nowait() == "m1"
     assert ds.take(3) == ["m2", "m3", "m4"]
@@ -24,7 +24,7 @@ async def test_acks_consume_bytes_and_resolve_tracked_pushes_in_order() -> None:
     ds = Downstream()
     tracked = {}
     for i in range(3000):  # enough to compact the byte index several times
-        future = ds.push("x" * (i % 7 + 1), track=i % 1000 == 999)
+        future = ds.push(["x" * (i % 7 + 1)], track=i % 1000 == 999)
         if future is not None:
             tracked[i + 1] = future
     total = sum(i % 7 + 1 for i in range(3000))
@@ -49,7 +49,7 @@ async def test_acks_consume_bytes_and_resolve_tracked_pushes_in_order() -> None:
 async def test_an_ack_beyond_what_was_sent_is_refused_and_changes_nothing() -> None:
     ds = Downstream()
     for i in range(3):
-        ds.push(f"m{i}")
+        ds.push([f"m{i}"])
     ds.take(2)
     with pytest.raises(ValueError, match="not sent"):
         ds.ack_many(3)
@@ -62,12 +62,12 @@ async def test_an_ack_beyond_what_was_sent_is_refused_and_changes_nothing() -> N
 
 async def test_closing_resolves_tracked_pushes_false_and_ends_gets() -> None:
     ds = Downstream()
-    first = ds.push("a", track=True)
-    ds.push("b")
+    first = ds.push(["a"], track=True)
+    ds.push(["b"])
     ds.take(1)
     ds.close("bye")
     assert first.result() is False
-    assert ds.push("c", track=True).result() is False
+    assert ds.push(["c"], track=True).result() is False
     assert ds.unconsumed_bytes == 0
     with pytest.raises(DownstreamClosed, match="bye"):
         await ds.get()
@@ -75,11 +75,11 @@ async def test_closing_resolves_tracked_pushes_false_and_ends_gets() -> None:
 
 async def test_more_unconsumed_bytes_than_the_bound_closes_the_channel() -> None:
     ds = Downstream(max_unconsumed_bytes=10)
-    ds.push("12345")
+    ds.push(["12345"])
     ds.take(1)
     ds.ack_next()
-    ds.push("1234567890")  # 10 unconsumed: at the bound, still open
+    ds.push(["1234567890"])  # 10 unconsumed: at the bound, still open
     assert not ds.closed
-    ds.push("1")
+    ds.push(["1"])
     assert ds.closed
     assert ds.close_reason == "more than 10 bytes sent but not acknowledged"

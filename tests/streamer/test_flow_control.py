@@ -17,6 +17,28 @@ from .helpers import drain, make_sub, settle, tx
 CHANGE = Change("02", "insert", '["data",{"tag":"insert"}]')
 
 
+def broadcast(
+    subs: list[Subscriber],
+    change: Change,
+    *,
+    timers: ManualTimers,
+    timeout_proportion: float | None,
+) -> Broadcast:
+    """``change`` sent to ``subs`` as a checkpoint, as the forwarder does."""
+    sent = [(sub, sub.send([change], track=True)) for sub in subs]
+    return Broadcast(sent, timers=timers, timeout_proportion=timeout_proportion)
+
+
+def checkpoint(fwd: Forwarder, change: Change) -> asyncio.Future[str]:
+    """Forwards ``change`` as a checkpoint; the release to wait for (done: none)."""
+    released = fwd.forward([change], checkpoint=True)
+    if released is None:
+        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        done.set_result("all-subscribers")
+        return done
+    return released
+
+
 async def live_subs(n: int, **kw: object) -> list[tuple[Subscriber, object]]:
     subs = []
     for i in range(n):
@@ -30,14 +52,14 @@ async def live_subs(n: int, **kw: object) -> list[tuple[Subscriber, object]]:
 
 
 async def test_no_subscribers_means_done_at_once() -> None:
-    b = Broadcast([], CHANGE, timers=ManualTimers(), timeout_proportion=2.0)
+    b = Broadcast([], timers=ManualTimers(), timeout_proportion=2.0)
     assert b.done.result() == "all-subscribers"
 
 
 async def test_a_tracked_broadcast_is_done_only_when_everyone_consumed() -> None:
     subs = await live_subs(2)
     timers = ManualTimers()
-    b = Broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
+    b = broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
     drain(subs[0][1])
     await settle()
     assert not b.done.done()  # n=2: the majority is both
@@ -50,7 +72,7 @@ async def test_a_tracked_broadcast_is_done_only_when_everyone_consumed() -> None
 async def test_majority_arms_one_proportional_timer_and_releases_at_it() -> None:
     subs = await live_subs(5)
     timers = ManualTimers()
-    b = Broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
+    b = broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
     timers.advance(0.1)
     drain(subs[0][1])
     drain(subs[1][1])
@@ -73,7 +95,7 @@ async def test_majority_arms_one_proportional_timer_and_releases_at_it() -> None
 async def test_everyone_completing_first_wins_and_clears_the_timer() -> None:
     subs = await live_subs(3)
     timers = ManualTimers()
-    b = Broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
+    b = broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
     timers.advance(0.01)
     for _, ds in subs[:2]:
         drain(ds)
@@ -90,7 +112,7 @@ async def test_everyone_completing_first_wins_and_clears_the_timer() -> None:
 async def test_zero_elapsed_releases_on_a_zero_delay_timer() -> None:
     subs = await live_subs(3)
     timers = ManualTimers()
-    b = Broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
+    b = broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
     for _, ds in subs[:2]:
         drain(ds)
     await settle()
@@ -102,7 +124,7 @@ async def test_zero_elapsed_releases_on_a_zero_delay_timer() -> None:
 async def test_without_a_proportion_only_everyone_releases() -> None:
     subs = await live_subs(3)
     timers = ManualTimers()
-    b = Broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=None)
+    b = broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=None)
     for _, ds in subs[:2]:
         drain(ds)
     await settle()
@@ -117,7 +139,7 @@ async def test_a_caught_up_backup_subscriber_must_respond_before_the_timer() -> 
     await settle()
     drain(backup_ds)
     timers = ManualTimers()
-    b = Broadcast([backup] + [s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
+    b = broadcast([backup] + [s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
     timers.advance(0.1)
     for _, ds in subs:
         drain(ds)
@@ -132,10 +154,10 @@ async def test_a_caught_up_backup_subscriber_must_respond_before_the_timer() -> 
 async def test_a_catching_up_subscriber_holds_flow_control_once_its_backlog_is_full() -> None:
     sub, _ = make_sub("01", high_water=100)
     timers = ManualTimers()
-    small = Broadcast([sub], CHANGE, timers=timers, timeout_proportion=None)
+    small = broadcast([sub], CHANGE, timers=timers, timeout_proportion=None)
     assert small.done.result() == "all-subscribers"  # backlog below high water
     big = Change("02", "insert", '["data","' + "z" * 200 + '"]')
-    b = Broadcast([sub], big, timers=timers, timeout_proportion=None)
+    b = broadcast([sub], big, timers=timers, timeout_proportion=None)
     await settle()
     assert not b.done.done()
 
@@ -146,16 +168,16 @@ async def test_subscribers_added_mid_transaction_start_at_the_next_transaction()
     fwd.add(early)
     early.set_caught_up()
     first, second = tx("02"), tx("03")
-    fwd.forward(first[0])
+    fwd.forward([first[0]])
     late, late_ds = make_sub("01", id="late")
     late.set_caught_up()
     fwd.add(late)
     assert late in fwd.queued
     for change in first[1:]:
-        fwd.forward(change)
+        fwd.forward([change])
     assert late in fwd.active
     for change in second:
-        fwd.forward(change)
+        fwd.forward([change])
     await settle()
     early_msgs = [m[0] for m in drain(early_ds)]  # type: ignore[index]
     late_msgs = [m for m in drain(late_ds)]
@@ -166,11 +188,11 @@ async def test_subscribers_added_mid_transaction_start_at_the_next_transaction()
 
 async def test_subscribers_added_mid_transaction_join_after_a_rollback_too() -> None:
     fwd = Forwarder(timers=ManualTimers())
-    fwd.forward(tx("02")[0])
+    fwd.forward([tx("02")[0]])
     late, _ = make_sub("01")
     fwd.add(late)
     assert late in fwd.queued
-    fwd.forward(Change("02", "rollback", '["rollback",{"tag":"rollback"}]'))
+    fwd.forward([Change("02", "rollback", '["rollback",{"tag":"rollback"}]')])
     assert late in fwd.active
 
 
@@ -191,7 +213,7 @@ async def run_ticks(
 ) -> None:
     """Each second: a tracked broadcast that the first two consume at once."""
     for _ in range(seconds):
-        task = asyncio.ensure_future(fwd.forward_with_flow_control(CHANGE))
+        task = checkpoint(fwd, CHANGE)
         await settle()
         for _, ds in subs[:2]:
             drain(ds)
@@ -248,7 +270,7 @@ async def test_a_subscriber_dropped_while_forwarding_does_not_break_the_fan_out(
     for ds in channels:
         ds._max = ds.unconsumed_bytes + 10  # the next change overflows: dropped mid-iteration
     for change in tx("02"):
-        fwd.forward(change)  # must not raise "set changed size during iteration"
+        fwd.forward([change])  # must not raise "set changed size during iteration"
     assert fwd.active == set()
     assert all(s.closed for s in subs)
 
@@ -259,22 +281,22 @@ async def test_checkpoints_are_pipelined_one_deep() -> None:
     fwd = Forwarder(timers=ManualTimers(), timeout_proportion=None)
     [(sub, ds)] = await live_subs(1)
     fwd.add(sub)
-    first = asyncio.ensure_future(fwd.forward_with_flow_control(CHANGE))
+    first = checkpoint(fwd, CHANGE)
     await settle()
     assert first.result() == "all-subscribers"  # nothing before it to wait on
-    second = asyncio.ensure_future(fwd.forward_with_flow_control(CHANGE))
+    second = checkpoint(fwd, CHANGE)
     await settle()
     assert not second.done()  # waits until the first checkpoint is consumed...
     assert ds.get_nowait() is not None  # type: ignore[attr-defined]
     ds.ack_next()  # type: ignore[attr-defined]
     await settle()
     assert second.result() == "all-subscribers"  # ...not the second one
-    third = asyncio.ensure_future(fwd.forward_with_flow_control(CHANGE))
+    third = checkpoint(fwd, CHANGE)
     await settle()
     assert not third.done()
     fwd.release_current()  # the upstream ended
     await settle()
     assert third.done()
-    fourth = asyncio.ensure_future(fwd.forward_with_flow_control(CHANGE))
+    fourth = checkpoint(fwd, CHANGE)
     await settle()
     assert fourth.done()

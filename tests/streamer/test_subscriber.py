@@ -14,7 +14,7 @@ async def test_status_is_sent_only_once_catch_up_starts() -> None:
     sub, ds = make_sub("01")
     sub.send_status()
     assert drain(ds) == []
-    sub.catchup(tx("02")[0])
+    sub.catchup([tx("02")[0]])
     sub.send_status()
     assert [m[0] for m in drain(ds)] == ["status", "begin", "status"]  # type: ignore[index]
 
@@ -29,9 +29,9 @@ async def test_protocol_1_gets_no_status() -> None:
 async def test_live_changes_wait_in_the_backlog_until_caught_up_then_flow_in_order() -> None:
     sub, ds = make_sub("01")
     for change in tx("03"):
-        assert sub.send(change) is None  # buffered, below high water
+        assert sub.send([change]) is None  # buffered, below high water
     for change in tx("02"):
-        sub.catchup(change)
+        sub.catchup([change])
     sub.set_caught_up()
     await settle()
     kinds = [(m[0], m[-1]) if m[0] != "data" else ("data",) for m in drain(ds)]  # type: ignore[index]
@@ -43,17 +43,17 @@ async def test_live_changes_wait_in_the_backlog_until_caught_up_then_flow_in_ord
 async def test_changes_at_or_below_the_watermark_are_dropped_on_both_paths() -> None:
     sub, ds = make_sub("05")
     for change in tx("04") + tx("05"):
-        assert sub.catchup(change) is None
+        assert sub.catchup([change]) is None
     sub.set_caught_up()
     await settle()
     for change in tx("05"):
-        assert sub.send(change) is None
+        assert sub.send([change]) is None
     for change in tx("06"):
-        sub.send(change)
+        sub.send([change])
     assert [m[0] for m in drain(ds)] == ["status", "begin", "data", "commit"]  # type: ignore[index]
     # A replay of 06 is ignored.
     for change in tx("06"):
-        assert sub.send(change) is None
+        assert sub.send([change]) is None
     assert drain(ds) == []
 
 
@@ -62,7 +62,7 @@ async def test_acked_advances_only_when_a_commit_is_consumed() -> None:
     sub.set_caught_up()
     await settle()
     for change in tx("02"):
-        sub.send(change)
+        sub.send([change])
     assert sub.watermark == "02"
     drain(ds, ack=False)
     assert sub.acked == "01"
@@ -80,11 +80,11 @@ async def test_a_full_backlog_returns_a_gate_that_opens_at_low_water() -> None:
     sub, ds = make_sub("01", high_water=1000)
     big = Change("02", "insert", '["data",{"tag":"insert","x":"' + "x" * 500 + '"}]')
     assert (
-        sub.send(Change("02", "begin", '["begin",{"tag":"begin"},{"commitWatermark":"02"}]'))
+        sub.send([Change("02", "begin", '["begin",{"tag":"begin"},{"commitWatermark":"02"}]')])
         is None
     )
-    assert sub.send(big) is None
-    gate = sub.send(big)
+    assert sub.send([big]) is None
+    gate = sub.send([big])
     assert gate is not None
     assert not gate.done()
     sub.set_caught_up()
@@ -97,7 +97,7 @@ async def test_a_full_backlog_returns_a_gate_that_opens_at_low_water() -> None:
 
 async def test_closing_releases_the_backlog_gate() -> None:
     sub, ds = make_sub("01", high_water=100)
-    gate = sub.send(Change("02", "insert", '["data",' + '"' + "y" * 200 + '"]'))
+    gate = sub.send([Change("02", "insert", '["data",' + '"' + "y" * 200 + '"]')])
     assert gate is not None
     sub.close()
     await settle()
@@ -112,8 +112,8 @@ async def test_update_table_metadata_is_not_sent_below_protocol_5() -> None:
     for sub in (old, new):
         sub.set_caught_up()
     await settle()
-    old.send(change)
-    new.send(change)
+    old.send([change])
+    new.send([change])
     assert [m[0] for m in drain(old_ds)] == ["status"]  # type: ignore[index]
     assert [m[0] for m in drain(new_ds)] == ["status", "data"]  # type: ignore[index]
 
