@@ -4,7 +4,7 @@
  *
  * Per row change this is one attribute read for the tag and one for the body, the
  * canonical JSON (canonical_json.encode_fast, itself C), the message text, and
- * two appends: the Python loop pays ~1-2 us of interpreter work on top.
+ * one append: the Python loop pays ~1-2 us of interpreter work on top.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -94,24 +94,22 @@ static PyObject *new_change(PyObject *watermark, PyObject *tag, PyObject *text) 
 }
 
 static PyObject *encode_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError,
-                        "encode_rows(messages, start, watermark, changes, jsons, budget)");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "encode_rows(messages, start, watermark, changes, budget)");
         return NULL;
     }
     if (data_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "_rowrun.encode_rows called before _rowrun.setup");
         return NULL;
     }
-    PyObject *messages = args[0], *watermark = args[2], *changes = args[3], *jsons = args[4];
-    if (!PyList_Check(messages) || !PyUnicode_Check(watermark) || !PyList_Check(changes) ||
-        !PyList_Check(jsons)) {
+    PyObject *messages = args[0], *watermark = args[2], *changes = args[3];
+    if (!PyList_Check(messages) || !PyUnicode_Check(watermark) || !PyList_Check(changes)) {
         PyErr_SetString(PyExc_TypeError,
-                        "encode_rows: messages, changes and jsons are lists, watermark a str");
+                        "encode_rows: messages and changes are lists, watermark a str");
         return NULL;
     }
     Py_ssize_t start = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t budget = PyLong_AsSsize_t(args[5]);
+    Py_ssize_t budget = PyLong_AsSsize_t(args[4]);
     if ((start == -1 || budget == -1) && PyErr_Occurred()) {
         return NULL;
     }
@@ -163,17 +161,16 @@ static PyObject *encode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
             return NULL;
         }
         PyObject *text = message_text(change_json);
+        Py_DECREF(change_json);
         PyObject *change = text == NULL ? NULL : new_change(watermark, tag, text);
         Py_DECREF(tag);
         if (change == NULL) {
             Py_XDECREF(text);
-            Py_DECREF(change_json);
             return NULL;
         }
         used += PyUnicode_GET_LENGTH(text);
         Py_DECREF(text);
-        int failed = PyList_Append(jsons, change_json) < 0 || PyList_Append(changes, change) < 0;
-        Py_DECREF(change_json);
+        int failed = PyList_Append(changes, change) < 0;
         Py_DECREF(change);
         if (failed) {
             return NULL;
@@ -190,7 +187,7 @@ static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS,
      "setup(Data, Change, schema_tags, encode_fast): the types and helpers encode_rows uses."},
     {"encode_rows", (PyCFunction)(void (*)(void))encode_rows, METH_FASTCALL,
-     "encode_rows(messages, start, watermark, changes, jsons, budget) -> (end, used)."},
+     "encode_rows(messages, start, watermark, changes, budget) -> (end, used)."},
     {NULL, NULL, 0, NULL},
 };
 

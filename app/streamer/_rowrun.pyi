@@ -13,7 +13,6 @@ def encode_rows(
     start: int,
     watermark: str,
     changes: list[Any],
-    jsons: list[str],
     budget: int,
     /,
 ) -> tuple[int, int]: ...

@@ -1,11 +1,12 @@
 """Encoding a run of row changes in one call: the main loop's per-row hot path.
 
 Most of an upstream stream is row changes (insert, update, delete, truncate,
-backfill) inside a transaction: each one is serialized once, and its text goes
-both to the storer (the change object) and to the subscribers (the message
-``["data",<change>]``). ``encode_rows`` does that for consecutive row changes of
-a batch, so the main loop pays one call per run instead of a dispatch, a store
-and a forward per row (see docs/architecture.md, decision 32).
+backfill) inside a transaction: each one is serialized once, into the message
+text ``["data",<change>]`` of a :class:`~app.streamer.subscriber.Change`, which the
+storer (``Storer.append``, which keeps the change object's part) and the
+subscribers (``Forwarder.forward``) both take. ``encode_rows`` does that for
+consecutive row changes of a batch, so the main loop pays one call per run
+instead of a dispatch per row (see docs/architecture.md, decision 32).
 
 It stops *before* any message it does not handle the common way — not a data
 message, a schema change (the storer keeps bookkeeping for those), a change
@@ -33,7 +34,7 @@ __all__ = ["encode_rows"]
 
 _SCHEMA_TAGS = frozenset(SCHEMA_CHANGE_TAGS)
 
-EncodeRows = Callable[[list[Any], int, str, list[Change], list[str], int], tuple[int, int]]
+EncodeRows = Callable[[list[Any], int, str, list[Change], int], tuple[int, int]]
 
 
 def encode_rows_py(
@@ -41,12 +42,11 @@ def encode_rows_py(
     start: int,
     watermark: str,
     changes: list[Change],
-    jsons: list[str],
     budget: int,
 ) -> tuple[int, int]:
     """Encodes the row changes of transaction ``watermark`` at ``messages[start:]``.
 
-    Appends each change object's JSON to ``jsons`` and its message to ``changes``.
+    Appends each one's message to ``changes``.
     Returns the index after the last change encoded (``start`` if none) and the
     bytes of message text appended.
     """
@@ -64,7 +64,6 @@ def encode_rows_py(
         if change_json is None:
             break
         text = '["data",' + change_json + "]"
-        jsons.append(change_json)
         changes.append(Change(watermark, tag, text))
         used += len(text)
         i += 1

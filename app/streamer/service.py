@@ -35,7 +35,6 @@ from typing import Any, Protocol
 from sqlalchemy.exc import DBAPIError
 
 from app.protocol.canonical_json import dumps
-from app.protocol.changes import SCHEMA_CHANGE_TAGS
 from app.protocol.codec import reconstruct
 from app.protocol.downstream import SYNTHETIC_ROLLBACK_JSON
 from app.protocol.errors import ErrorType
@@ -400,11 +399,10 @@ class ChangeStreamerService:
                     await self._race(readable, ended, storer_task)
                     readable.cancel()
                     continue
-                # Changes are forwarded a batch at a time, but always before any
-                # await: a subscriber that joins at an await must find the
+                # Changes are stored and forwarded a batch at a time, but always
+                # before any await: a subscriber that joins at an await must find the
                 # forwarder and the storer at the same stream position.
                 forwarding: list[Change] = []
-                jsons: list[str] = []
                 try:
                     i, end = 0, len(batch)
                     while i < end:
@@ -415,39 +413,33 @@ class ChangeStreamerService:
                             # (rowrun.py). It stops after the change that fills the
                             # flow-control budget: that change is the checkpoint.
                             after, used = encode_rows(
-                                batch, i, self._tx, forwarding, jsons, FLUSH_THRESHOLD - unflushed
+                                batch, i, self._tx, forwarding, FLUSH_THRESHOLD - unflushed
                             )
                             if after > i:
-                                self.storer.store_rows(jsons)
-                                self.changes += len(jsons)
-                                jsons.clear()
+                                self.changes += after - i
                                 i = after
                                 unflushed += used
                                 if unflushed >= FLUSH_THRESHOLD:
                                     unflushed = 0
-                                    checkpoint = forwarding.pop()
-                                    if not await self._checkpoint(
-                                        checkpoint, forwarding, ended, storer_task
-                                    ):
+                                    if not await self._checkpoint(forwarding, ended, storer_task):
                                         return
                                 continue
                         i += 1
                         if kind is Control or kind is Status:
-                            self._forward(forwarding)
+                            self._forward(forwarding)  # what came before it goes first
                             if kind is Control:
                                 assert isinstance(message, Control)
                                 await self._reset_required(message)
-                                continue
-                        dispatched = self._dispatch(message)
-                        if dispatched is None:
+                            else:
+                                assert isinstance(message, Status)
+                                self._status(message)
                             continue
-                        size, change = dispatched
-                        unflushed += size
-                        if unflushed < FLUSH_THRESHOLD:
-                            forwarding.append(change)
-                        else:
+                        change = self._change(message)
+                        forwarding.append(change)
+                        unflushed += len(change.json)
+                        if unflushed >= FLUSH_THRESHOLD:
                             unflushed = 0
-                            if not await self._checkpoint(change, forwarding, ended, storer_task):
+                            if not await self._checkpoint(forwarding, ended, storer_task):
                                 return
                 finally:
                     self._forward(forwarding)
@@ -466,15 +458,15 @@ class ChangeStreamerService:
 
     async def _checkpoint(
         self,
-        change: Change,
         forwarding: list[Change],
         ended: asyncio.Future[None],
         storer: asyncio.Task[None],
     ) -> bool:
-        """Forwards ``forwarding`` and then ``change`` as a flow-control checkpoint
-        (synchronously: nothing is left to forward at the await), and waits for the
-        release of the checkpoint before it; False if the upstream ended first."""
-        forwarding.append(change)
+        """Stores and forwards ``forwarding``, its last change a flow-control
+        checkpoint (synchronously: nothing is left to forward at the await), and
+        waits for the release of the checkpoint before it; False if the upstream
+        ended first."""
+        self.storer.append(forwarding)
         released = self.forwarder.forward(forwarding, checkpoint=True)
         forwarding.clear()
         if released is None:
@@ -487,8 +479,9 @@ class ChangeStreamerService:
         return True
 
     def _forward(self, changes: list[Change]) -> None:
-        """Forwards and empties ``changes``."""
+        """Stores, forwards and empties ``changes`` (the one path for every change)."""
         if changes:
+            self.storer.append(changes)
             self.forwarder.forward(changes)
             changes.clear()
 
@@ -506,39 +499,44 @@ class ChangeStreamerService:
         if ended.done():
             ended.result()  # raises the stream's failure, if it failed
 
-    def _dispatch(self, message: ChangeSourceMessage) -> tuple[int, Change] | None:
-        """Handles one message (not a control); returns the change to forward, if any.
-
-        No await between storing and forwarding: the storer's queue and the
-        forwarder's transaction state must describe the same stream position.
-        """
+    def _change(self, message: ChangeSourceMessage) -> Change:
+        """The change of a begin, commit, rollback or data message that ``encode_rows``
+        did not take (a schema change, a value it cannot vouch for); checks that the
+        stream keeps the protocol's order."""
         kind = type(message)
-        if kind is Begin:
-            assert isinstance(message, Begin)
-            return self._begin(message)
-        if kind is Commit:
-            assert isinstance(message, Commit)
-            return self._commit(message)
-        if kind is Data:  # what encode_rows left: schema changes, values it cannot vouch for
+        if kind is Data:
             assert isinstance(message, Data)
             tx = self._tx
             if tx is None:
                 raise UnrecoverableError(
                     f"'data' change ({message.tag}) received before 'begin' message"
                 )
-            tag = message.tag
-            change_json = dumps(message.body)
-            self.storer.store(tx, tag, change_json, message.body if tag in _SCHEMA_TAGS else None)
             self.changes += 1
-            text = reconstruct(tx, tag, change_json)
-            return len(text), new_change(tx, tag, text)
-        if kind is Status:
-            assert isinstance(message, Status)
-            self.acker.on_upstream(message)
-            if message.lag_report is not None:
-                self._latest_lag_report = message.lag_report
-                self.forwarder.send_status()
-            return None
+            return new_change(tx, message.tag, '["data",' + dumps(message.body) + "]")
+        if kind is Begin:
+            assert isinstance(message, Begin)
+            if self._tx is not None:
+                raise UnrecoverableError(
+                    f"'begin' {message.commit_watermark} received while transaction "
+                    f"{self._tx} is open"
+                )
+            watermark = self._tx = message.commit_watermark
+            self.acker.on_begin(message)
+            return new_change(watermark, "begin", _bookend(message.body, "begin", watermark))
+        if kind is Commit:
+            assert isinstance(message, Commit)
+            open_tx = self._tx
+            if open_tx is None:
+                raise UnrecoverableError("'commit' change received before 'begin' message")
+            if message.watermark != open_tx:
+                raise UnrecoverableError(
+                    f"commit watermark {message.watermark} does not match 'begin' watermark "
+                    f"{open_tx}"
+                )
+            self._tx = None  # complete once stored: an upstream end from here on rolls nothing back
+            self.transactions += 1
+            self.acker.on_commit(message)
+            return new_change(open_tx, "commit", _bookend(message.body, "commit", open_tx))
         if kind is Rollback:
             assert isinstance(message, Rollback)
             if self._tx is None:
@@ -546,43 +544,17 @@ class ChangeStreamerService:
                     "'rollback' change (rollback) received before 'begin' message"
                 )
             watermark, self._tx = self._tx, None
-            change_json = dumps(message.body)
-            text = reconstruct(watermark, "rollback", change_json)
-            self.storer.store(watermark, "rollback", change_json, None)
             self.acker.on_upstream(message)
-            return len(text), new_change(watermark, "rollback", text)
+            return new_change(
+                watermark, "rollback", reconstruct(watermark, "rollback", dumps(message.body))
+            )
         raise UnrecoverableError(f"unexpected message {message!r}")  # pragma: no cover
 
-    def _begin(self, message: Begin) -> tuple[int, Change]:
-        if self._tx is not None:
-            raise UnrecoverableError(
-                f"'begin' {message.commit_watermark} received while transaction {self._tx} is open"
-            )
-        watermark = self._tx = message.commit_watermark
-        # Serialize the change object once; the message around it is a fixed frame
-        # (watermarks are LexiVersions: nothing to escape), byte-identical to
-        # serializing the whole tuple, and the storer keeps the object's text.
-        change_json = _small_json(message.body, "begin")
-        text = reconstruct(watermark, "begin", change_json)
-        self.storer.begin(watermark, change_json, message.skip_ack)
-        self.acker.on_begin(message)
-        return len(text), new_change(watermark, "begin", text)
-
-    def _commit(self, message: Commit) -> tuple[int, Change]:
-        watermark = self._tx
-        if watermark is None:
-            raise UnrecoverableError("'commit' change received before 'begin' message")
-        if message.watermark != watermark:
-            raise UnrecoverableError(
-                f"commit watermark {message.watermark} does not match 'begin' watermark {watermark}"
-            )
-        self._tx = None  # complete once stored: an upstream end from here on rolls nothing back
-        self.transactions += 1
-        change_json = _small_json(message.body, "commit")
-        text = reconstruct(watermark, "commit", change_json)
-        self.storer.commit(watermark, change_json)
-        self.acker.on_commit(message)
-        return len(text), new_change(watermark, "commit", text)
+    def _status(self, message: Status) -> None:
+        self.acker.on_upstream(message)
+        if message.lag_report is not None:
+            self._latest_lag_report = message.lag_report
+            self.forwarder.send_status()
 
     async def _reset_required(self, control: Control) -> None:
         message = control.message or "Resync required"
@@ -700,12 +672,13 @@ def _is_missing_table(error: BaseException) -> bool:
     return getattr(cause, "sqlstate", None) == "42P01"
 
 
-_SCHEMA_TAGS = frozenset(SCHEMA_CHANGE_TAGS)
-
-
-def _small_json(body: dict[str, Any], tag: str) -> str:
-    """The JSON of a begin or commit body. Most are just ``{"tag": tag}``, whose
-    text needs no serializer; anything else goes through ``dumps``."""
+def _bookend(body: dict[str, Any], tag: str, watermark: str) -> str:
+    """The message text of a begin or commit. Most bodies are just ``{"tag": tag}``,
+    whose text needs no serializer; the message around the body is a fixed frame
+    (watermarks are LexiVersions: nothing to escape), byte-identical to serializing
+    the whole tuple."""
     if len(body) == 1 and body.get("tag") == tag:
-        return '{"tag":"' + tag + '"}'
-    return dumps(body)
+        change_json = '{"tag":"' + tag + '"}'
+    else:
+        change_json = dumps(body)
+    return reconstruct(watermark, tag, change_json)

@@ -1,11 +1,12 @@
 """The storer: writes the change stream to the change log with group commit,
 and catches subscribers up from it.
 
-The main loop hands every begin/data/commit/rollback to ``store`` (synchronous)
-right before forwarding it. ``store`` builds each upstream transaction's rows as
-they arrive and queues the transaction whole at its commit, so the consumer
-works a transaction at a time, not a message at a time (on the main loop both
-are per-change costs). A single consumer task writes them:
+The main loop hands every batch of begin/data/commit/rollback changes to
+``append`` (synchronous) right before it forwards the same batch. ``append``
+builds each upstream transaction's rows as they arrive and queues the
+transaction whole at its commit, so the consumer works a transaction at a time,
+not a message at a time (on the main loop both are per-change costs). A single
+consumer task writes them:
 
 * **Group commit.** Whatever is queued when the consumer looks is written in one
   database transaction, as many upstream transactions as are complete, together
@@ -40,9 +41,10 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from app.protocol.codec import change_tag, reconstruct
+from app.protocol.canonical_json import loads
+from app.protocol.changes import SCHEMA_CHANGE_TAGS
+from app.protocol.codec import change_tag, extract_change, reconstruct
 from app.protocol.errors import ErrorType
 from app.storage import AbortError, AutoResetSignal, ChangeLog, Replication, StoredRow
 from app.storage.backfill import BookkeepingOp, bookkeeping_for
@@ -86,6 +88,9 @@ class _Chunk:
     rows: list[StoredRow]
     bytes: int
 
+
+_SCHEMA_TAGS = frozenset(SCHEMA_CHANGE_TAGS)
+_PLAIN_BEGIN = '{"tag":"begin"}'
 
 _DROP = object()  # a chunked transaction ended without commit: roll its rows back
 _STOP = object()
@@ -157,75 +162,60 @@ class Storer:
     # ------------------------------------------------------------------
     # Enqueue side: called by the main loop without awaiting.
 
-    def store(
-        self, watermark: str, tag: str, message_json: str, body: dict[str, Any] | None
-    ) -> None:
-        """Takes one begin/data/commit/rollback message of the stream."""
-        if tag == "begin":
-            self.begin(watermark, message_json, bool(body and body.get("skipAck") is True))
-            return
-        if tag == "commit":
-            self.commit(watermark, message_json)
-            return
-        tx = self._building
-        if tx is None:
-            raise AssertionError(f"{tag} {watermark} outside a transaction")
-        if tag == "rollback":
-            self._drop_building()
-            return
-        if body is not None:  # a schema change: its backfill bookkeeping goes with the commit
-            tx.ops.extend(bookkeeping_for(body))
-        self.store_rows([message_json])
+    def append(self, changes: list[Change]) -> None:
+        """Takes a batch of the stream — the same changes the forwarder gets next.
 
-    def begin(self, watermark: str, message_json: str, skip_ack: bool) -> None:
-        """``store`` of a begin (the main loop calls it directly: once per transaction)."""
-        if self._building is not None:
-            raise AssertionError(
-                f"begin {watermark} while transaction {self._building.watermark} is open"
-            )
-        size = len(message_json)
-        self._building = _OpenTx(
-            watermark, skip_ack, [(watermark, 0, message_json, None)], bytes=size
-        )
-        self._queued_bytes += size
-        self._enqueued_in_tx = True
-
-    def commit(self, watermark: str, message_json: str) -> None:
-        """``store`` of a commit: the transaction is queued whole."""
+        Each transaction's rows are built as its changes arrive (a change's stored
+        text is its message's change object, cut out of the message text) and the
+        transaction is queued whole at its commit (a big one in chunks, past
+        ``open_tx_flush_bytes``); a rollback drops it. Schema changes add their
+        backfill bookkeeping, which goes in with the commit.
+        """
         tx = self._building
-        if tx is None:
-            raise AssertionError(f"commit {watermark} outside a transaction")
-        size = len(message_json)
-        self._queued_bytes += size
-        tx.bytes += size
-        tx.pos += 1
-        tx.rows.append((tx.watermark, tx.pos, message_json, tx.watermark))
-        self._building = None
-        self._enqueue(tx)
-        self._last_enqueued_commit = watermark
-        self._end_enqueued_tx()
-
-    def store_rows(self, jsons: list[str]) -> None:
-        """``store`` for consecutive data changes of the open transaction, given
-        their change objects' JSON: one call per run of rows (``store`` adds a
-        schema change's bookkeeping first)."""
-        tx = self._building
-        if tx is None:
-            raise AssertionError("row changes outside a transaction")
-        watermark = tx.watermark
-        pos = tx.pos
-        rows = tx.rows
-        size = 0
-        for change_json in jsons:
-            pos += 1
-            rows.append((watermark, pos, change_json, None))
-            size += len(change_json)
-        tx.pos = pos
-        tx.bytes += size
-        self._queued_bytes += size
-        if tx.bytes >= self._open_tx_flush_bytes:
-            self._enqueue(_Chunk(tx.rows, tx.bytes))
-            tx.rows, tx.bytes, tx.chunked = [], 0, True
+        for change in changes:
+            watermark, tag, text = change
+            if tag == "begin":
+                if tx is not None:
+                    raise AssertionError(
+                        f"begin {watermark} while transaction {tx.watermark} is open"
+                    )
+                body = extract_change(text)
+                skip_ack = body != _PLAIN_BEGIN and loads(body).get("skipAck") is True
+                tx = self._building = _OpenTx(
+                    watermark, skip_ack, [(watermark, 0, body, None)], bytes=len(body)
+                )
+                self._queued_bytes += len(body)
+                self._enqueued_in_tx = True
+                continue
+            if tx is None:
+                raise AssertionError(f"{tag} {watermark} outside a transaction")
+            if tag == "commit":
+                body = extract_change(text)
+                self._queued_bytes += len(body)
+                tx.bytes += len(body)
+                tx.pos += 1
+                tx.rows.append((tx.watermark, tx.pos, body, tx.watermark))
+                self._building = None
+                self._enqueue(tx)
+                self._last_enqueued_commit = watermark
+                self._end_enqueued_tx()
+                tx = None
+                continue
+            if tag == "rollback":
+                tx = None
+                self._drop_building()
+                continue
+            body = text[8:-1]  # ["data",<change>]
+            if tag in _SCHEMA_TAGS:  # its backfill bookkeeping goes with the commit
+                tx.ops.extend(bookkeeping_for(loads(body)))
+            tx.pos += 1
+            tx.rows.append((tx.watermark, tx.pos, body, None))
+            size = len(body)
+            tx.bytes += size
+            self._queued_bytes += size
+            if tx.bytes >= self._open_tx_flush_bytes:
+                self._enqueue(_Chunk(tx.rows, tx.bytes))
+                tx.rows, tx.bytes, tx.chunked = [], 0, True
 
     def abort(self) -> None:
         """The stream broke: drop the open transaction (nothing of it is stored)."""

@@ -693,6 +693,7 @@ async def test_the_coverage_gate_needs_a_backup_at_the_start_position(change_db:
     ],
 )
 def test_begin_and_commit_bodies_are_their_canonical_json(body: dict[str, Any], tag: str) -> None:
-    from app.streamer.service import _small_json
+    from app.protocol.codec import reconstruct
+    from app.streamer.service import _bookend
 
-    assert _small_json(body, tag) == dumps(body)
+    assert _bookend(body, tag, "0a") == reconstruct("0a", tag, dumps(body))

@@ -8,17 +8,23 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.protocol.canonical_json import dumps, loads
+from app.protocol.codec import reconstruct
 from app.protocol.errors import ErrorType
 from app.storage import AutoResetSignal, ChangeDb, ChangeLog, OwnershipLostError, Replication
 from app.streamer.downstream import Downstream
 from app.streamer.storer import Storer, WedgedError
-from app.streamer.subscriber import Mode, Subscriber
+from app.streamer.subscriber import Change, Mode, Subscriber
 from app.streamer.timers import ManualTimers
 
 from .conftest import OWNER, REPLICA_VERSION
 from .helpers import collect, drain, make_sub, settle
 
-# Entries as the service hands them to the storer: (watermark, tag, change text, body).
+# Entries: (watermark, tag, change text, body); ``change`` makes the service's Change.
+
+
+def change(entry: tuple[str, str, str, object]) -> Change:
+    w, tag, text, _ = entry
+    return Change(w, tag, reconstruct(w, tag, text))
 
 
 def begin(w: str, **extra: object) -> tuple[str, str, str, dict[str, object]]:
@@ -66,8 +72,9 @@ class Harness:
         self.task = asyncio.create_task(self.storer.run())
 
     def feed(self, entries: list[tuple[str, str, str, object]]) -> None:
-        for w, tag, text, body in entries:
-            self.storer.store(w, tag, text, body)  # type: ignore[arg-type]
+        """The entries as the service hands them over: its changes, one at a time."""
+        for entry in entries:
+            self.storer.append([change(entry)])
 
     async def until_durable(self, w: str) -> None:
         await asyncio.wait_for(self.storer.wait_durable(w), 10)
@@ -178,9 +185,9 @@ async def test_a_big_transaction_written_in_pieces_keeps_every_position(
     h = in_pieces
     inserts = [insert("04", i) for i in range(200)]
     h.feed([begin("04")])
-    if rows_in == "in runs":  # store_rows: the main loop's call for a run of rows
+    if rows_in == "in runs":  # the main loop hands over runs of rows
         for k in range(0, len(inserts), 30):
-            h.storer.store_rows([text for _, _, text, _ in inserts[k : k + 30]])
+            h.storer.append([change(e) for e in inserts[k : k + 30]])
     else:
         h.feed(inserts)
     h.feed([commit("04"), *txn("05")])
@@ -193,7 +200,7 @@ async def test_a_big_transaction_written_in_pieces_keeps_every_position(
 async def test_row_changes_outside_a_transaction_are_refused(change_db: ChangeDb) -> None:
     h = Harness(change_db)
     with pytest.raises(AssertionError, match="outside a transaction"):
-        h.storer.store_rows([insert("02", 0)[2]])
+        h.storer.append([change(insert("02", 0))])
 
 
 async def test_queued_bytes_count_what_waits_and_fall_to_zero(in_pieces: Harness) -> None:
