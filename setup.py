@@ -16,7 +16,7 @@ from setuptools.command.bdist_wheel import bdist_wheel
 # name -> source; app/speedups.py imports them (and says which are active).
 HELPERS = {
     "app.protocol._jsscan": "app/protocol/_jsscan.c",
-    "app.server._wsfast": "app/server/_wsfast.c",
+    "app.protocol._wsfast": "app/protocol/_wsfast.c",
     "app.streamer._rowrun": "app/streamer/_rowrun.c",
     "app.streamer._fanout": "app/streamer/_fanout.c",
 }

@@ -7,8 +7,8 @@ pure-Python twin that has the same contract (docs/architecture.md, decisions 31,
 
 * ``jsscan`` — ``app/protocol/_jsscan.c``: canonical JSON's scan and fast path
   (``app/protocol/canonical_json.py``)
-* ``wsfast`` — ``app/server/_wsfast.c``: v6 frames written, ack frames read
-  (``app/server/ws_protocol.py``)
+* ``wsfast`` — ``app/protocol/_wsfast.c``: v6 frames written, ack frames read
+  (``app/protocol/wsframes.py``)
 * ``rowrun`` — ``app/streamer/_rowrun.c``: a run of row changes in one call
   (``app/streamer/rowrun.py``)
 * ``fanout`` — ``app/streamer/_fanout.c``: the per-subscriber fan-out loops
@@ -50,7 +50,7 @@ ENV: Final = "CHANGESTREAMER_SPEEDUPS"
 # name -> the extension module (setup.py builds each one from its .c beside it).
 _MODULES: Final[Mapping[str, str]] = {
     "jsscan": "app.protocol._jsscan",
-    "wsfast": "app.server._wsfast",
+    "wsfast": "app.protocol._wsfast",
     "rowrun": "app.streamer._rowrun",
     "fanout": "app.streamer._fanout",
 }

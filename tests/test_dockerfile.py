@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
 HELPERS = [
     "app/protocol/_jsscan",
-    "app/server/_wsfast",
+    "app/protocol/_wsfast",
     "app/streamer/_rowrun",
     "app/streamer/_fanout",
 ]

@@ -23,11 +23,11 @@ import sys
 from app import speedups
 import app.cli
 from app.protocol import canonical_json as cj
-from app.server import ws_protocol as ws
+from app.protocol import wsframes as ws
 from app.streamer import downstream, rowrun, subscriber
 print(speedups.summary())
 print(cj._scan is cj.scan_py, cj.encode_fast is cj._encode_fast_py,
-      ws._ack_ids is ws._ack_ids_py, ws._msg_frames is ws._msg_frames_py,
+      ws.ack_ids is ws._ack_ids_py, ws.msg_frames is ws._msg_frames_py,
       rowrun.encode_rows is rowrun.encode_rows_py,
       subscriber.select_live is subscriber._select_live_py,
       downstream.running_totals is downstream._running_totals_py)

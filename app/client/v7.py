@@ -76,10 +76,9 @@ from app.protocol.envelope import (
     EnvelopeError,
     ack_from_value,
     envelope_from_value,
-    frame,
-    msg_tail,
 )
 from app.protocol.messages import MessageValidationError
+from app.protocol.wsframes import envelope_texts
 
 __all__ = [
     "V7Connection",
@@ -186,7 +185,7 @@ class V7Connection:
         the reason the socket ended (for example :class:`ProtocolError` for
         1002) if it ends before that, or before the frame could be sent.
         """
-        tail = msg_tail(dumps(message))  # a value that cannot be serialized fails here
+        text = dumps(message)  # a value that cannot be serialized fails here
         async with self._send_lock:  # ids go out in order
             if self._end is not None or self._channel.closing:
                 raise self._lost("the connection is closed")
@@ -194,7 +193,7 @@ class V7Connection:
             self._next_id += 1
             acked = asyncio.get_running_loop().create_future()
             self._waiting[frame_id] = acked
-            sent = await self._channel.send_text(frame(frame_id, tail))
+            sent = await self._channel.send_text(envelope_texts(frame_id, [text])[0])
         if not sent:
             await self.closed.wait()  # the reader records why
             raise self._lost(f"the connection closed before frame {frame_id} was sent")

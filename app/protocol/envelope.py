@@ -1,10 +1,9 @@
 """Websocket envelopes shared by every change-streamer socket (wire.md §1.1, §5.3).
 
 Server -> client frames are ``{"id":N,"msg":<message>}`` or, on connections that
-opted into batching (v7), ``{"id":N,"batch":[<m1>,<m2>,...]}``.  A fanned-out
-message is serialized once: the *tail* (``,"msg":<json>}``) is built once and each
-subscriber's sender only prepends its own ``{"id":N``, so the per-subscriber cost
-is one string concatenation.
+opted into batching (v7), ``{"id":N,"batch":[<m1>,<m2>,...]}``; they are spelled
+in one place, ``app.protocol.wsframes.envelope_texts``. This module reads them
+(``parse_envelope``) and spells and reads acks.
 
 Acks (``{"ack":N}``) are parsed strictly: a text frame holding a JSON object with
 exactly the key ``ack`` and a non-negative integer value.  Anything else is a
@@ -13,7 +12,6 @@ protocol violation (:class:`AckError`) and the server closes the stream.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +24,7 @@ __all__ = [
     "EnvelopeError",
     "ack_frame",
     "ack_from_value",
-    "batch_tail",
     "envelope_from_value",
-    "frame",
-    "msg_tail",
     "parse_ack",
     "parse_envelope",
     "quick_ack",
@@ -42,21 +37,6 @@ class AckError(ValueError):
 
 class EnvelopeError(ValueError):
     """A server frame that is not a valid ``{"id": N, "msg"|"batch": ...}`` envelope."""
-
-
-def msg_tail(msg_json: str) -> str:
-    """``,"msg":<json>}``: the part of a single-message frame shared by all receivers."""
-    return ',"msg":' + msg_json + "}"
-
-
-def batch_tail(msg_jsons: Sequence[str]) -> str:
-    """``,"batch":[a,b,...]}``: the shared part of a batch frame."""
-    return ',"batch":[' + ",".join(msg_jsons) + "]}"
-
-
-def frame(id: int, tail: str) -> str:
-    """A complete frame: ``{"id":<id>`` followed by a tail from msg_tail/batch_tail."""
-    return '{"id":' + str(id) + tail
 
 
 def ack_frame(id: int) -> str:

@@ -163,7 +163,7 @@ class Session:
         async for message in reservation:
             status = loads(message)[1]
             reserved = {**status, "tag": "snapshot"}
-            await self._outbound.send_message(dumps(["reserved", reserved]))
+            await self._outbound.send([dumps(["reserved", reserved])], None)
         superseded = (
             reservation.outcome == "cancelled"
             and reservation is self._reservation

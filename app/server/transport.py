@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from app.protocol.envelope import AckError, batch_tail, msg_tail, parse_ack
+from app.protocol.envelope import AckError, parse_ack
+from app.protocol.wsframes import encode_envelopes, envelope_texts, frame_count
 from app.server.ws_protocol import DIRECT, DirectSocket
 from app.streamer.downstream import Downstream, DownstreamClosed
 
@@ -87,12 +88,13 @@ class Outbound:
         extension = (websocket.scope.get("extensions") or {}).get(DIRECT)
         self._direct: DirectSocket | None = extension.get("socket") if extension else None
         if self._direct is not None:
-            self._direct.on_acks = self._direct_acks
+            self._direct.on_acks = self.match
 
-    def _direct_acks(self, acks: list[int]) -> int:
-        """Acks straight from the socket: how many of ``acks``, from the first, were
-        in order and are now matched. The rest go to the receive loop, which raises
-        the precise error."""
+    def match(self, acks: list[int]) -> int:
+        """Matches acks in order: how many of ``acks``, from the first, name the next
+        frames sent; their messages are consumed. The socket's fast path calls this
+        with the acks of a whole read (the rest go to the receive loop, whose ``ack``
+        raises the precise error)."""
         expected = self._acked_id + 1
         last_sent = self._next_id - 1
         n = len(acks)
@@ -108,50 +110,14 @@ class Outbound:
             self._consume_through(expected + matched - 1)
         return matched
 
-    def _frame(self, downstream: Downstream | None, count: int, frames: int = 1) -> int:
-        """Takes ``frames`` ids (each consuming ``count`` messages); returns the first."""
-        first = self._next_id
-        self._next_id += frames
-        self._runs.append((self._next_id - 1, downstream, count))
-        return first
-
-    async def send(self, tail: str, downstream: Downstream | None, count: int) -> None:
-        async with self._lock:
-            text = '{"id":' + str(self._frame(downstream, count)) + tail
-            if self._direct is None or not self._direct.try_send(text):
-                await self._websocket.send_text(text)
-
-    async def send_each(self, messages: list[str], downstream: Downstream) -> None:
-        """One frame per message (v6), written together when the socket allows."""
-        async with self._lock:
-            first = self._frame(downstream, 1, len(messages))
-            if self._direct is not None and self._direct.try_send_msgs(first, messages):
-                return
-            for frame_id, message in enumerate(messages, start=first):
-                await self._websocket.send_text('{"id":' + str(frame_id) + msg_tail(message))
-
-    async def send_batches(self, messages: list[str], downstream: Downstream) -> None:
-        """Batch frames of at most ``MAX_BATCH`` messages (v7), written together
-        when the socket allows: over loopback a write costs the sender the whole
-        TCP path, so four frames in one write cost about one."""
-        async with self._lock:
-            texts = []
-            for start in range(0, len(messages), MAX_BATCH):
-                chunk = messages[start : start + MAX_BATCH]
-                tail = msg_tail(chunk[0]) if len(chunk) == 1 else batch_tail(chunk)
-                texts.append('{"id":' + str(self._frame(downstream, len(chunk))) + tail)
-            if self._direct is None or not self._direct.try_send_many(texts):
-                for text in texts:
-                    await self._websocket.send_text(text)
-
-    async def send_raw(self, text: str) -> None:
-        """A frame outside the id sequence (an ack of a client frame)."""
-        async with self._lock:
-            await self._websocket.send_text(text)
-
-    async def send_message(self, message_json: str) -> None:
-        """A control frame (nothing to consume when it is acked)."""
-        await self.send(msg_tail(message_json), None, 0)
+    def ack(self, ack: int) -> None:
+        """One ack; raises ``ProtocolViolation`` unless it names the next frame sent."""
+        if self.match([ack]):
+            return
+        expected = self._acked_id + 1
+        if expected >= self._next_id:
+            raise ProtocolViolation(f"ack {ack} for a frame that was not sent")
+        raise ProtocolViolation(f"unexpected ack {ack}: expected ack {expected}")
 
     def acked(self, data: str | bytes) -> None:
         """Matches a client ack frame; raises ``ProtocolViolation`` if it is wrong."""
@@ -161,13 +127,38 @@ class Outbound:
             raise ProtocolViolation(f"error parsing ack: {e}") from None
         self.ack(ack)
 
-    def ack(self, ack: int) -> None:
-        expected = self._acked_id + 1
-        if expected >= self._next_id:
-            raise ProtocolViolation(f"ack {ack} for a frame that was not sent")
-        if ack != expected:
-            raise ProtocolViolation(f"unexpected ack {ack}: expected ack {expected}")
-        self._consume_through(ack)
+    async def send(
+        self, messages: list[str], downstream: Downstream | None, *, per_frame: int = 1
+    ) -> None:
+        """Sends ``messages`` in envelopes with the next ids — one message a frame
+        (v6), or batch frames of up to ``per_frame`` (v7) — written together when the
+        socket allows: over loopback a write costs the sender the whole TCP path, so
+        four frames in one write cost about one. An ack of a frame consumes its
+        messages from ``downstream`` (None: control frames, nothing to consume)."""
+        if not messages:
+            return
+        async with self._lock:
+            first = self._next_id
+            self._next_id += frame_count(len(messages), per_frame)
+            if downstream is None:
+                self._runs.append((self._next_id - 1, None, 0))
+            else:
+                whole, rest = divmod(len(messages), per_frame)
+                if whole:
+                    self._runs.append((first + whole - 1, downstream, per_frame))
+                if rest:
+                    self._runs.append((first + whole, downstream, rest))
+            direct = self._direct
+            if direct is not None and direct.can_write():
+                direct.write(encode_envelopes(first, messages, per_frame))
+                return
+            for text in envelope_texts(first, messages, per_frame):
+                await self._websocket.send_text(text)
+
+    async def send_raw(self, text: str) -> None:
+        """A frame outside the id sequence (an ack of a client frame)."""
+        async with self._lock:
+            await self._websocket.send_text(text)
 
     def _consume_through(self, acked_id: int) -> None:
         """Frames up to ``acked_id`` were acked: consume their messages."""
@@ -185,16 +176,14 @@ class Outbound:
 
     async def pump(self, downstream: Downstream, *, batched: bool) -> None:
         """Sends ``downstream`` until it closes."""
+        per_frame = MAX_BATCH if batched else 1
         while True:
             try:
                 first = await downstream.get()
             except DownstreamClosed:
                 return
             messages = [first, *downstream.take(MAX_COALESCED - 1)]
-            if batched:
-                await self.send_batches(messages, downstream)
-            else:
-                await self.send_each(messages, downstream)
+            await self.send(messages, downstream, per_frame=per_frame)
 
 
 async def stream_downstream(

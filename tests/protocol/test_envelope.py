@@ -1,4 +1,4 @@
-"""Websocket envelopes: shared frame tails, strict acks, client-side envelope parsing."""
+"""Websocket envelopes: how they are spelled, strict acks, client-side envelope parsing."""
 
 from __future__ import annotations
 
@@ -11,43 +11,39 @@ from app.protocol.envelope import (
     EnvelopeError,
     ack_frame,
     ack_from_value,
-    batch_tail,
-    frame,
-    msg_tail,
     parse_ack,
     parse_envelope,
 )
+from app.protocol.wsframes import envelope_texts
 
 STATUS = '["status",{"tag":"status"}]'
 ROLLBACK = '["rollback",{"tag":"rollback"}]'
 
 
-def test_single_message_frame_matches_the_wire_format() -> None:
-    assert frame(1, msg_tail(STATUS)) == '{"id":1,"msg":["status",{"tag":"status"}]}'
-
-
-def test_one_tail_serves_every_subscriber() -> None:
-    tail = msg_tail(ROLLBACK)
-    assert [frame(i, tail) for i in (1, 7, 12345)] == [
-        '{"id":1,"msg":["rollback",{"tag":"rollback"}]}',
+def test_single_message_frames_match_the_wire_format() -> None:
+    assert envelope_texts(1, [STATUS]) == ['{"id":1,"msg":["status",{"tag":"status"}]}']
+    assert envelope_texts(7, [ROLLBACK, STATUS]) == [
         '{"id":7,"msg":["rollback",{"tag":"rollback"}]}',
-        '{"id":12345,"msg":["rollback",{"tag":"rollback"}]}',
+        '{"id":8,"msg":["status",{"tag":"status"}]}',
     ]
 
 
-def test_batch_frame_matches_the_wire_format() -> None:
-    assert frame(3, batch_tail([STATUS, ROLLBACK])) == (
-        '{"id":3,"batch":[["status",{"tag":"status"}],["rollback",{"tag":"rollback"}]]}'
-    )
-    assert frame(4, batch_tail([])) == '{"id":4,"batch":[]}'
+def test_batch_frames_match_the_wire_format() -> None:
+    assert envelope_texts(3, [STATUS, ROLLBACK, STATUS], per_frame=2) == [
+        '{"id":3,"batch":[["status",{"tag":"status"}],["rollback",{"tag":"rollback"}]]}',
+        '{"id":4,"msg":["status",{"tag":"status"}]}',  # a lone message is a msg frame
+    ]
 
 
 def test_frames_parse_back_on_the_client() -> None:
-    single = parse_envelope(frame(9, msg_tail(STATUS)))
-    assert single == Envelope(9, [loads(STATUS)], False, {"id": 9, "msg": loads(STATUS)})
-    batch = parse_envelope(frame(10, batch_tail([STATUS, ROLLBACK])))
+    [single] = envelope_texts(9, [STATUS])
+    assert parse_envelope(single) == Envelope(
+        9, [loads(STATUS)], False, {"id": 9, "msg": loads(STATUS)}
+    )
+    [batch_text] = envelope_texts(10, [STATUS, ROLLBACK], per_frame=64)
+    batch = parse_envelope(batch_text)
     assert (batch.id, batch.batch, batch.messages) == (10, True, [loads(STATUS), loads(ROLLBACK)])
-    empty = parse_envelope(frame(11, batch_tail([])))
+    empty = parse_envelope('{"id":11,"batch":[]}')
     assert (empty.batch, empty.messages) == (True, [])
 
 

@@ -20,8 +20,7 @@ import pytest
 from fastapi import FastAPI
 
 from app import speedups
-from app.protocol import canonical_json
-from app.server import ws_protocol
+from app.protocol import canonical_json, wsframes
 from app.server.admin import (
     STARTUP_ERROR,
     AdminAuth,
@@ -279,7 +278,7 @@ async def test_statz_says_which_speedups_run_as_json_and_text(
     # What the modules really use: each site holds the C function or its Python twin.
     in_use = {
         "jsscan": canonical_json._scan is not canonical_json.scan_py,
-        "wsfast": ws_protocol._ack_ids is not ws_protocol._ack_ids_py,
+        "wsfast": wsframes.ack_ids is not wsframes._ack_ids_py,
         "rowrun": rowrun.encode_rows is not rowrun.encode_rows_py,
         "fanout": subscriber.select_live is not subscriber._select_live_py,
     }

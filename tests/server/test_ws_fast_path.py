@@ -1,4 +1,5 @@
-"""The websocket fast path (app/server/ws_protocol.py): frames exactly as RFC 6455 says.
+"""The websocket fast path (app/server/ws_protocol.py, app/protocol/wsframes.py): frames
+exactly as RFC 6455 says.
 
 Client frames are built, and server frames read back, with the websockets library's
 own codec, so the fast path is checked against an independent implementation.
@@ -17,21 +18,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
+from websockets.utils import apply_mask
 
 from app import speedups
+from app.protocol import wsframes
 from app.protocol.envelope import quick_ack
+from app.protocol.wsframes import _ack_ids_py, _msg_frames_py
+from app.protocol.wsframes import client_texts as _text_frames
+from app.protocol.wsframes import encode_text_frames as _text_frames_bytes
+from app.protocol.wsframes import frame_header as _frame_header
 from app.server import ws_protocol
-from app.server.ws_protocol import (
-    _ack_ids_py,
-    _frame_header,
-    _msg_frames_py,
-    _text_frames,
-    _text_frames_bytes,
-)
 from tests.c_helpers import built, needs
 
-_wsfast = built("app.server._wsfast")
-needs_c = needs(_wsfast, "app/server/_wsfast.c")
+_wsfast = built("app.protocol._wsfast")
+needs_c = needs(_wsfast, "app/protocol/_wsfast.c")
 
 MAX = 1 << 20
 
@@ -92,9 +92,9 @@ MSG_FRAMES = pytest.mark.parametrize(
 
 def test_the_c_frame_builder_is_used_when_built_unless_speedups_are_off() -> None:
     if speedups.ENABLED and _wsfast is not None:
-        assert ws_protocol._msg_frames is _wsfast.msg_frames
+        assert wsframes.msg_frames is _wsfast.msg_frames
     else:
-        assert ws_protocol._msg_frames is _msg_frames_py
+        assert wsframes.msg_frames is _msg_frames_py
 
 
 @MSG_FRAMES
@@ -110,6 +110,34 @@ def test_v6_frames_built_together_parse_back_with_their_ids(
     ]
     assert all(f.opcode is Opcode.TEXT and f.fin for f in frames)
     assert msg_frames(1, []) == b""
+
+
+@pytest.mark.parametrize("per_frame", [1, 2, 64])
+def test_envelopes_of_either_protocol_parse_back_as_the_wire_format(per_frame: int) -> None:
+    """``encode_envelopes`` is ``envelope_texts`` with headers: v6 a message a frame
+    (the C builder when built), v7 batches, a lone message as ``msg``."""
+    messages = [
+        '["begin",{"tag":"begin"},{"commitWatermark":"02"}]',
+        '["data",{}]',
+        '"' + "é" * 300 + '"',
+    ]
+    frames = read_server_frames(wsframes.encode_envelopes(5, messages, per_frame))
+    texts = [f.data.decode() for f in frames]
+    assert texts == wsframes.envelope_texts(5, messages, per_frame)
+    assert len(texts) == wsframes.frame_count(len(messages), per_frame)
+    if per_frame == 2:
+        assert texts == [
+            '{"id":5,"batch":[' + messages[0] + "," + messages[1] + "]}",
+            '{"id":6,"msg":' + messages[2] + "}",
+        ]
+
+
+def test_unmasking_is_the_libraries() -> None:
+    rng = random.Random(7)
+    for n in (0, 1, 3, 4, 5, 125, 4097):
+        payload = bytes(rng.randrange(256) for _ in range(n))
+        mask = bytes(rng.randrange(256) for _ in range(4))
+        assert wsframes.unmask(payload, mask) == apply_mask(payload, mask)
 
 
 @needs_c
@@ -173,7 +201,7 @@ def test_a_frame_over_the_size_limit_goes_to_the_library() -> None:
 
 
 AckParser = Callable[[bytes], "list[int] | None"]
-# The C parser (app/server/_wsfast.c) runs; the Python one is its fallback and reference.
+# The C parser (app/protocol/_wsfast.c) runs; the Python one is its fallback and reference.
 PARSERS = pytest.mark.parametrize(
     "parse_acks",
     [
@@ -185,9 +213,9 @@ PARSERS = pytest.mark.parametrize(
 
 def test_the_c_ack_parser_is_used_when_built_unless_speedups_are_off() -> None:
     if speedups.ENABLED and _wsfast is not None:
-        assert ws_protocol._ack_ids is _wsfast.ack_ids
+        assert wsframes.ack_ids is _wsfast.ack_ids
     else:
-        assert ws_protocol._ack_ids is _ack_ids_py
+        assert wsframes.ack_ids is _ack_ids_py
 
 
 @PARSERS

@@ -1,4 +1,4 @@
-/* The per-frame byte work of the websocket fast path (app/server/ws_protocol.py).
+/* The per-frame byte work of the websocket fast path (app/protocol/wsframes.py).
  *
  * msg_frames: a run of v6 frames {"id":N,"msg":<message>} with their headers, as
  * one bytes object to write. Built in Python it was ~1 us a frame (an id, four
@@ -8,7 +8,7 @@
  * so the server reads about as many ack frames as it sends messages. In Python
  * the per-frame work (header checks, unmasking, digit checks, int) cost ~1.5 us a
  * frame, ~13 % of the event loop at one subscriber. ack_ids keeps the Python
- * version's exact contract (ws_protocol._ack_ids_py, which the tests compare it
+ * version's exact contract (wsframes.ack_ids_py, which the tests compare it
  * against): the ids if `data` is only whole, masked, final text frames of
  * canonical {"ack":N} (digits, no leading zero), else None.
  */
