@@ -35,6 +35,10 @@ Scenarios:
   every subscriber / (last subscriber's final commit − the writer's first commit).
   Each point subscribes at the previous point's final watermark, so no point
   replays an earlier one.
+* ``catchup`` (with ``throughput``) — after the points, one new subscriber at the
+  watermark before the 100-row points reads all of their rows from the change log
+  (stored: nothing is written meanwhile); rows/s from subscribing to the receipt of
+  the last point's final commit.
 * ``latency`` — one subscriber, 1-row transactions paced at ``--rate`` (1,000)
   transactions/s for ``--latency-seconds``; p50/p99 of receipt of each commit minus
   the commit's upstream commit time (``commitTime``, µs, from pgoutput; same host
@@ -444,8 +448,15 @@ async def probe_replica_version(ws_url: str) -> str:
 class Subscribers:
     """The ``bench.pg_subscribers`` process for one point."""
 
-    def __init__(self, ws_url: str, k: int, replica_version: str, watermark: str) -> None:
-        self.sentinel = f"hpd-end-{uuid.uuid4().hex}"
+    def __init__(
+        self,
+        ws_url: str,
+        k: int,
+        replica_version: str,
+        watermark: str,
+        sentinel: str | None = None,
+    ) -> None:
+        self.sentinel = sentinel or f"hpd-end-{uuid.uuid4().hex}"
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -570,9 +581,13 @@ def run_point(
     replica_version: str,
     watermark: str,
     profile: Path | None = None,
+    sentinels: list[str] | None = None,
 ) -> tuple[dict[str, float], str]:
-    """One throughput point; (metrics, the final watermark)."""
+    """One throughput point; (metrics, the final watermark). Appends the point's
+    sentinel to ``sentinels``."""
     subs = Subscribers(service.ws_url, k, replica_version, watermark)
+    if sentinels is not None:
+        sentinels.append(subs.sentinel)
     profiler: threading.Thread | None = None
     try:
         expect(subs.wait_event(SUBSCRIBER_READY_TIMEOUT_S), "ready")
@@ -598,7 +613,26 @@ def run_point(
         "writer_changes_per_s": transactions * rows / write_s,
         "service_cpu_s": service_cpu,
         "subscriber_cpu_s": subs_cpu,
+        "service_cpu_us_per_change": service_cpu / expected * 1e6,
     }, str(done["final_watermark"])
+
+
+def run_catchup(
+    service: Service, replica_version: str, watermark: str, sentinel: str
+) -> dict[str, float]:
+    """One subscriber reads from the change log what is already stored after
+    ``watermark``, up to the commit carrying ``sentinel``: rows/s from subscribing
+    to that commit's receipt (nothing is written meanwhile)."""
+    started = time.time()
+    subs = Subscribers(service.ws_url, 1, replica_version, watermark, sentinel)
+    try:
+        expect(subs.wait_event(SUBSCRIBER_READY_TIMEOUT_S), "ready")
+        done = expect(subs.wait_event(POINT_TIMEOUT_S), "done")
+    finally:
+        subs.close()
+    rows = float(min(done["changes"]))
+    elapsed = max(done["final_receipts"]) - started
+    return {"rows_per_s": rows / elapsed, "rows": rows, "elapsed_s": elapsed}
 
 
 def run_latency(
@@ -652,7 +686,11 @@ def run_impl(impl: str, opts: Options) -> ImplResult:
         replica_version = asyncio.run(probe_replica_version(service.ws_url))
         watermark = replica_version
         if "throughput" in opts.scenarios:
+            sentinels: list[str] = []
+            before_100row = watermark
             for rows, transactions in ((1, opts.tx_1row), (100, opts.tx_100row)):
+                if rows == 100:
+                    before_100row = watermark
                 for k in opts.subscribers:
                     profile = opts.profile_ours if impl == "ours" and (rows, k) == (1, 1) else None
                     point, watermark = run_point(
@@ -665,6 +703,7 @@ def run_impl(impl: str, opts: Options) -> ImplResult:
                         replica_version,
                         watermark,
                         profile,
+                        sentinels,
                     )
                     for key, value in point.items():
                         result.metrics[f"tp_{rows}row_k{k}_{key}"] = value
@@ -675,6 +714,16 @@ def run_impl(impl: str, opts: Options) -> ImplResult:
                         f"subscribers {point['subscriber_cpu_s']:.1f} s)",
                         flush=True,
                     )
+            if "catchup" in opts.scenarios:
+                # Every 100-row point's rows, stored: catch-up alone.
+                catchup = run_catchup(service, replica_version, before_100row, sentinels[-1])
+                for key, value in catchup.items():
+                    result.metrics[f"catchup_{key}"] = value
+                print(
+                    f"  {NAMES[impl]}: catch-up of {catchup['rows']:,.0f} stored rows: "
+                    f"{catchup['rows_per_s']:,.0f} rows/s",
+                    flush=True,
+                )
         if "latency" in opts.scenarios:
             lat, watermark = run_latency(service, writer, opts, replica_version, watermark)
             for key, value in lat.items():
@@ -706,7 +755,7 @@ def run_impl(impl: str, opts: Options) -> ImplResult:
 def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "—"
-    if unit == "ms":
+    if unit in ("ms", "µs"):
         return f"{value:.2f}"
     return f"{value:,.0f}"
 
@@ -733,6 +782,20 @@ def report(results: dict[str, ImplResult], opts: Options) -> str:
                         True,
                     )
                 )
+        for r in (1, 100):
+            for k in opts.subscribers:
+                rows.append(
+                    (
+                        f"{r}-row tx, K={k}: service CPU µs per change (all its processes)",
+                        f"tp_{r}row_k{k}_service_cpu_us_per_change",
+                        "µs",
+                        False,
+                    )
+                )
+    if "catchup" in opts.scenarios and "throughput" in opts.scenarios:
+        rows.append(
+            ("catch-up of the stored 100-row points: rows/s", "catchup_rows_per_s", "", True)
+        )
     if "latency" in opts.scenarios:
         rows.append((f"latency p50 at {opts.rate:,.0f} tx/s (ms)", "lat_p50_ms", "ms", False))
         rows.append((f"latency p99 at {opts.rate:,.0f} tx/s (ms)", "lat_p99_ms", "ms", False))
@@ -781,8 +844,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Options]:
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     parser.add_argument(
         "--scenarios",
-        default="init,throughput,latency",
-        help="comma-separated: init, throughput, latency",
+        default="init,throughput,catchup,latency",
+        help="comma-separated: init, throughput, catchup (needs throughput), latency",
     )
     parser.add_argument("--impls", default="ours,ref", help="comma-separated, run in this order")
     parser.add_argument("--rows", type=int, help="initial-sync table rows (default 1,000,000)")
@@ -801,7 +864,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Options]:
     args = parser.parse_args(argv)
     quick = args.quick
     scenarios = {s.strip() for s in args.scenarios.split(",") if s.strip()}
-    unknown = scenarios - {"init", "throughput", "latency"}
+    unknown = scenarios - {"init", "throughput", "catchup", "latency"}
     if unknown:
         parser.error(f"unknown scenarios: {sorted(unknown)}")
     rows = args.rows if args.rows is not None else (50_000 if quick else 1_000_000)

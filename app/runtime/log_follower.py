@@ -19,10 +19,12 @@ the other core, reads rows in batches (no framing, no acks), and nobody waits fo
 what may not be purged before it is applied is guarded by the purge floor, which
 never passes the replica's position (the backup watermark).
 
-Wake-ups: ``serve`` writes each durable commit watermark as a line on our stdin; we
-also read ``lastWatermark`` every ``POLL_S`` in case a line was skipped (the parent
-drops lines while we are behind rather than buffer them). stdin's EOF means the
-parent is gone, even by SIGKILL: we stop rather than live on as an orphan. SIGTERM
+Wake-ups: ``serve`` writes the newest durable commit watermark as a line on our
+stdin, at most every ``NOTIFY_INTERVAL_S`` (so a burst of commits is one wake-up and
+one replica commit); we also read ``lastWatermark`` every ``POLL_S`` in case a line
+was skipped (the parent drops lines while we are behind rather than buffer them).
+stdin's EOF means the parent is gone, even by SIGKILL: we stop rather than live on as
+an orphan. SIGTERM
 stops us after the batch being applied.
 
 Exit codes: 0 stopped; 3 the change log cannot bring this replica forward (another
@@ -56,9 +58,6 @@ log = logging.getLogger("app.replica.follower")
 # The change DB's URL comes in the environment, not argv (it may hold a password).
 CHANGE_DB_ENV: Final = "CHANGESTREAMER_FOLLOWER_CHANGE_DB"
 POLL_S: Final = 1.0
-# After a wake-up, wait this long for more commits to apply together: at a thousand
-# commits a second, one replica commit per wake-up was most of this process's CPU.
-LINGER_S: Final = 0.005
 READ_BATCH: Final = 2_000
 EXIT_RESYNC: Final = 3
 
@@ -133,8 +132,6 @@ class LogFollower:
                 continue  # a notification came in while applying: no wait
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(_first(self.wake, stop), self._poll_s)
-            if self.wake.is_set() and not stop.is_set():
-                await asyncio.sleep(LINGER_S)
 
 
 async def _first(*events: asyncio.Event) -> None:
