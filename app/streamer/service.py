@@ -466,8 +466,11 @@ class ChangeStreamerService:
         checkpoint (synchronously: nothing is left to forward at the await), and
         waits for the release of the checkpoint before it; False if the upstream
         ended first."""
-        self.storer.append(forwarding)
+        # Forwarded first: the subscribers' senders are then woken ahead of the
+        # storer's consumer (the event loop runs them in that order), so a commit's
+        # frames reach the sockets before its group commit is handed to the writer.
         released = self.forwarder.forward(forwarding, checkpoint=True)
+        self.storer.append(forwarding)
         forwarding.clear()
         if released is None:
             return True
@@ -479,10 +482,10 @@ class ChangeStreamerService:
         return True
 
     def _forward(self, changes: list[Change]) -> None:
-        """Stores, forwards and empties ``changes`` (the one path for every change)."""
+        """Forwards, stores and empties ``changes`` (the one path for every change)."""
         if changes:
+            self.forwarder.forward(changes)  # first: see _checkpoint
             self.storer.append(changes)
-            self.forwarder.forward(changes)
             changes.clear()
 
     async def _race(
