@@ -49,7 +49,7 @@ from app.protocol.errors import ErrorType
 from app.storage import AbortError, AutoResetSignal, ChangeLog, Replication, StoredRow
 from app.storage.backfill import BookkeepingOp, bookkeeping_for
 from app.storage.changelog import WriteTransaction
-from app.streamer.subscriber import Change, Mode, Subscriber
+from app.streamer.subscriber import Change, Mode, Subscriber, new_change
 from app.streamer.timers import TimerHandle, Timers
 
 log = logging.getLogger(__name__)
@@ -544,25 +544,25 @@ class Storer:
                     last = None
                 if sub.closed:
                     return
-                changes: list[Change] = []
-                for watermark, _pos, change, _pre in batch:
-                    if watermark == start:
-                        found = True
-                        continue
-                    if not found:
-                        if mode == "backup":
-                            raise AutoResetSignal(
-                                f"backup replica at watermark {start} is behind change db: "
-                                f"{watermark})"
-                            )
-                        sub.close(
-                            ErrorType.WATERMARK_TOO_OLD,
-                            f"earliest supported watermark is {watermark} (requested {start})",
+                # The rows of the subscriber's own last transaction come first (the
+                # read starts at it): skipped. Without them the log was purged past it.
+                skip = 0
+                while skip < len(batch) and batch[skip][0] == start:
+                    skip += 1
+                found = found or skip > 0
+                if not found and skip < len(batch):
+                    watermark = batch[skip][0]
+                    if mode == "backup":
+                        raise AutoResetSignal(
+                            f"backup replica at watermark {start} is behind change db: "
+                            f"{watermark})"
                         )
-                        return
-                    tag = change_tag(change)
-                    changes.append(Change(watermark, tag, reconstruct(watermark, tag, change)))
-                last = sub.catchup(changes)
+                    sub.close(
+                        ErrorType.WATERMARK_TOO_OLD,
+                        f"earliest supported watermark is {watermark} (requested {start})",
+                    )
+                    return
+                last = sub.catchup(_stored_changes(batch[skip:] if skip else batch))
             if not found and not rows_seen:
                 log.info(
                     "subscriber %s at %s is ahead of the durable change log (%s)",
@@ -588,6 +588,25 @@ class Storer:
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+
+
+def _stored_changes(rows: list[StoredRow]) -> list[Change]:
+    """Change-log rows as the changes they were stored from (the message text
+    rebuilt, byte for byte): catch-up's per-row work, kept to a slice and a
+    concatenation for the common row."""
+    out: list[Change] = []
+    append = out.append
+    for watermark, _pos, change, _pre in rows:
+        if change.startswith('{"tag":"') and (end := change.find('"', 8)) > 8:
+            tag = change[8:end]
+        else:
+            tag = change_tag(change)
+        if tag == "begin" or tag == "commit" or tag == "rollback":
+            text = reconstruct(watermark, tag, change)
+        else:
+            text = '["data",' + change + "]"
+        append(new_change(watermark, tag, text))
+    return out
 
 
 class _Rollback(Exception):
