@@ -554,8 +554,7 @@ class Storer:
                     watermark = batch[skip][0]
                     if mode == "backup":
                         raise AutoResetSignal(
-                            f"backup replica at watermark {start} is behind change db: "
-                            f"{watermark})"
+                            f"backup replica at watermark {start} is behind change db: {watermark})"
                         )
                     sub.close(
                         ErrorType.WATERMARK_TOO_OLD,
