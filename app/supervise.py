@@ -30,8 +30,17 @@ from typing import Final
 
 from app.sources.backoff import Backoff
 
-__all__ = ["ChildSpec", "ChildState", "SupervisedChild"]
+__all__ = ["LOG_LEVELS", "ChildSpec", "ChildState", "SupervisedChild"]
 
+# Level names children print (Python's logging, litestream's WARN), as logging levels.
+LOG_LEVELS: Final = {
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARN": logging.WARNING,
+    "WARNING": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+}
 # Longest output line read from a child; longer ones are cut.
 MAX_LINE: Final = 64 * 1024
 RECENT_LINES: Final = 20

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Final
 
 from app.backup.config import BackupConfigError, LitestreamOptions, render
-from app.supervise import MAX_LINE, ChildSpec, SupervisedChild
+from app.supervise import LOG_LEVELS, MAX_LINE, ChildSpec, SupervisedChild
 from app.supervise import ChildState as RunnerState
 
 __all__ = [
@@ -42,13 +42,6 @@ RESTART_MAX_S: Final = 60.0
 STABLE_AFTER_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 10.0
 
-_LEVELS: Final = {
-    "DEBUG": logging.DEBUG,
-    "INFO": logging.INFO,
-    "WARN": logging.WARNING,
-    "WARNING": logging.WARNING,
-    "ERROR": logging.ERROR,
-}
 _TEXT_LEVEL = re.compile(r"\blevel=([A-Za-z]+)")
 _TEXT_TIME = re.compile(r"^time=\S+\s+")
 
@@ -119,7 +112,7 @@ def parse_line(line: str) -> tuple[int, str]:
         except ValueError:
             return logging.INFO, line
         if isinstance(record, dict):
-            level = _LEVELS.get(str(record.pop("level", "INFO")).upper(), logging.INFO)
+            level = LOG_LEVELS.get(str(record.pop("level", "INFO")).upper(), logging.INFO)
             record.pop("time", None)
             msg = str(record.pop("msg", ""))
             rest = " ".join(f"{k}={v}" for k, v in record.items())
@@ -128,7 +121,7 @@ def parse_line(line: str) -> tuple[int, str]:
     if line.startswith("Error:"):  # litestream's last word before it exits
         return logging.ERROR, line
     match = _TEXT_LEVEL.search(line)
-    level = _LEVELS.get(match.group(1).upper(), logging.INFO) if match else logging.INFO
+    level = LOG_LEVELS.get(match.group(1).upper(), logging.INFO) if match else logging.INFO
     text = _TEXT_TIME.sub("", line)
     if match:
         text = text.replace(match.group(0) + " ", "", 1)

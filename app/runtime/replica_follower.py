@@ -23,7 +23,7 @@ from typing import Final
 
 from app.runtime.log_follower import CHANGE_DB_ENV, EXIT_RESYNC, POLL_S
 from app.storage.engine import Shard
-from app.supervise import ChildSpec, ChildState, SupervisedChild
+from app.supervise import LOG_LEVELS, ChildSpec, ChildState, SupervisedChild
 
 __all__ = ["ReplicaFollower"]
 
@@ -34,14 +34,6 @@ RESTART_MAX_S: Final = 30.0
 # Unread notification bytes past which we stop writing more (the child is behind).
 MAX_BUFFERED: Final = 4096
 NOTIFY_INTERVAL_S: Final = 0.02
-
-_LEVELS: Final = {
-    "DEBUG": logging.DEBUG,
-    "INFO": logging.INFO,
-    "WARNING": logging.WARNING,
-    "ERROR": logging.ERROR,
-    "CRITICAL": logging.CRITICAL,
-}
 
 
 class ReplicaFollower:
@@ -132,6 +124,6 @@ def parse_line(line: str) -> tuple[int, str]:
     """The child logs ``<date> <time> LEVEL name: message``; anything else (a traceback
     line) is a warning."""
     parts = line.split(" ", 3)
-    if len(parts) == 4 and parts[2] in _LEVELS:
-        return _LEVELS[parts[2]], parts[3].split(": ", 1)[-1]
+    if len(parts) == 4 and parts[2] in LOG_LEVELS:
+        return LOG_LEVELS[parts[2]], parts[3].split(": ", 1)[-1]
     return logging.WARNING, line
