@@ -6,7 +6,9 @@ upstream must trigger the synthetic rollback at once, even if the storer is
 wedged (spec/core.md §8.1). So a pump task reads the stream, and the loop takes
 messages from the buffer and can race any wait against ``ended``.
 
-A deque and two events rather than an asyncio.Queue: this runs once per change.
+A deque, an event and a waiter future rather than an asyncio.Queue: this runs once
+per change, and ``wait_readable`` wakes the main loop itself (one task switch from a
+buffered message to the main loop, not two through a helper task).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from typing import Any
 
 from app.protocol.messages import ChangeSourceMessage
 from app.sources.base import ChangeStream
@@ -26,7 +29,7 @@ class Pump:
         self._stream = stream
         self._limit = limit
         self.buffer: deque[ChangeSourceMessage] = deque()
-        self.readable = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self._space = asyncio.Event()
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._run(), name="upstream-pump")
@@ -35,7 +38,8 @@ class Pump:
         try:
             async for message in self._stream:
                 self.buffer.append(message)
-                self.readable.set()
+                if self._waiter is not None:
+                    self._wake()
                 while len(self.buffer) >= self._limit:
                     self._space.clear()
                     await self._space.wait()
@@ -49,7 +53,28 @@ class Pump:
             if not self.ended.done():
                 self.ended.set_exception(e)
         finally:
-            self.readable.set()
+            self._wake()
+
+    async def wait_readable(self, *, also: asyncio.Future[Any]) -> None:
+        """Returns once a message is buffered or the stream ended — or ``also`` is done
+        (the storer failed: the caller checks)."""
+        if self.buffer or self.ended.done() or also.done():
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        also.add_done_callback(self._on_also_done)
+        try:
+            await self._waiter
+        finally:
+            also.remove_done_callback(self._on_also_done)
+            self._waiter = None
+
+    def _on_also_done(self, _done: asyncio.Future[Any]) -> None:
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def take_all(self) -> list[ChangeSourceMessage]:
         """Every buffered message (empty if none): the main loop works in batches."""

@@ -394,10 +394,7 @@ class ChangeStreamerService:
                     if ended.done():
                         ended.result()  # raises the stream's failure, if it failed
                         return
-                    pump.readable.clear()
-                    readable = asyncio.ensure_future(pump.readable.wait())
-                    await self._race(readable, ended, storer_task)
-                    readable.cancel()
+                    await pump.wait_readable(also=storer_task)
                     continue
                 # Changes are stored and forwarded a batch at a time, but always
                 # before any await: a subscriber that joins at an await must find the
