@@ -106,11 +106,6 @@ class Replicator:
     def in_transaction(self) -> bool:
         return self.writer.in_transaction
 
-    async def apply(self, message: ReplicaMessage) -> CommitResult | None:
-        """Applies one message; returns the commit's result for a ``commit``."""
-        results = await self.apply_batch([message])
-        return results[0] if results else None
-
     async def apply_batch(self, messages: Sequence[ReplicaMessage]) -> list[CommitResult]:
         """Applies several messages; the commits' results. The batch's complete
         transactions go into one SQLite commit. On an error the commits before it stay

@@ -40,7 +40,10 @@ _MIN_VERSION: dict[str, int] = {"update-table-metadata": 5}
 
 
 class Change(NamedTuple):
-    """A forwarded or caught-up message: its transaction's watermark, tag and JSON."""
+    """One message of the stream, as every stage takes it: its transaction's
+    watermark, its tag (begin, commit, rollback, or the data change's) and the
+    message's JSON text (``["data",{…}]``; the change log stores the change object
+    cut out of it, ``Storer.append``)."""
 
     watermark: str
     tag: str

@@ -118,4 +118,4 @@ async def test_a_closed_replicator_refuses_work(replica: Path) -> None:
     await replicator.close()
     await replicator.close()  # idempotent
     with pytest.raises(ReplicaError, match="not open"):
-        await replicator.apply(parse_downstream_message(["rollback", {"tag": "rollback"}]))
+        await replicator.apply_batch([parse_downstream_message(["rollback", {"tag": "rollback"}])])
