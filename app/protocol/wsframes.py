@@ -33,6 +33,7 @@ __all__ = [
     "encode_envelopes",
     "encode_text_frames",
     "envelope_texts",
+    "frame_count",
     "frame_header",
     "unmask",
 ]

@@ -69,15 +69,12 @@ class PostgresRuntime:
     replica: ReplicaState
     replica_file: Path
     slot: str
-    follower: ReplicaFollower | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def start_backup(self, change_db_url: str, shard: Shard, *, log_level: str = "warning") -> None:
         """Keeps the replica file current from the change log in a child process, once
         the service owns the log; it stops with the service."""
-        follower = self.follower = ReplicaFollower(
-            self.replica_file, change_db_url, shard, log_level=log_level
-        )
+        follower = ReplicaFollower(self.replica_file, change_db_url, shard, log_level=log_level)
         service = self.service
         service.durable_listeners.append(follower.notify)
 

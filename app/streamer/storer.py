@@ -2,7 +2,8 @@
 and catches subscribers up from it.
 
 The main loop hands every batch of begin/data/commit/rollback changes to
-``append`` (synchronous) right before it forwards the same batch. ``append``
+``append`` (synchronous) right after it forwards the same batch, before any
+await. ``append``
 builds each upstream transaction's rows as they arrive and queues the
 transaction whole at its commit, so the consumer works a transaction at a time,
 not a message at a time (on the main loop both are per-change costs). A single
@@ -163,7 +164,7 @@ class Storer:
     # Enqueue side: called by the main loop without awaiting.
 
     def append(self, changes: list[Change]) -> None:
-        """Takes a batch of the stream — the same changes the forwarder gets next.
+        """Takes a batch of the stream — the same changes the forwarder was just given.
 
         Each transaction's rows are built as its changes arrive (a change's stored
         text is its message's change object, cut out of the message text) and the
@@ -591,20 +592,11 @@ class Storer:
 
 def _stored_changes(rows: list[StoredRow]) -> list[Change]:
     """Change-log rows as the changes they were stored from (the message text
-    rebuilt, byte for byte): catch-up's per-row work, kept to a slice and a
-    concatenation for the common row."""
+    rebuilt, byte for byte)."""
     out: list[Change] = []
-    append = out.append
     for watermark, _pos, change, _pre in rows:
-        if change.startswith('{"tag":"') and (end := change.find('"', 8)) > 8:
-            tag = change[8:end]
-        else:
-            tag = change_tag(change)
-        if tag == "begin" or tag == "commit" or tag == "rollback":
-            text = reconstruct(watermark, tag, change)
-        else:
-            text = '["data",' + change + "]"
-        append(new_change(watermark, tag, text))
+        tag = change_tag(change)
+        out.append(new_change(watermark, tag, reconstruct(watermark, tag, change)))
     return out
 
 
