@@ -19,6 +19,7 @@ HELPERS = {
     "app.protocol._wsfast": "app/protocol/_wsfast.c",
     "app.streamer._rowrun": "app/streamer/_rowrun.c",
     "app.streamer._fanout": "app/streamer/_fanout.c",
+    "app.sources.postgres._pgrows": "app/sources/postgres/_pgrows.c",
 }
 
 

@@ -1,6 +1,6 @@
 """Which C helpers run: the one place that imports them.
 
-Four small C extensions, built by the package build when a compiler is there
+Five small C extensions, built by the package build when a compiler is there
 (setup.py, optional: without one the install still succeeds), each with a
 pure-Python twin that has the same contract (docs/architecture.md, decisions 31,
 32, 34 and 37):
@@ -13,6 +13,8 @@ pure-Python twin that has the same contract (docs/architecture.md, decisions 31,
   (``app/streamer/rowrun.py``)
 * ``fanout`` — ``app/streamer/_fanout.c``: the per-subscriber fan-out loops
   (``app/streamer/subscriber.py``, ``app/streamer/downstream.py``)
+* ``pgrows`` — ``app/sources/postgres/_pgrows.c``: a pgoutput row change decoded
+  and mapped in one call (``app/sources/postgres/mapper.py``)
 
 ``module(name)`` is the loaded extension, or None when its twin runs. Each is
 imported on first request, not when this module is: importing ``app.protocol._jsscan``
@@ -53,6 +55,7 @@ _MODULES: Final[Mapping[str, str]] = {
     "wsfast": "app.protocol._wsfast",
     "rowrun": "app.streamer._rowrun",
     "fanout": "app.streamer._fanout",
+    "pgrows": "app.sources.postgres._pgrows",
 }
 NAMES: Final = tuple(_MODULES)
 
@@ -81,7 +84,7 @@ ENABLED: Final = requested(os.environ)
 def load(module: str) -> ModuleType | None:
     """``module`` imported, or None when speedups are off or it was not built.
 
-    For the service's four (below) and for helpers outside the package that follow
+    For the service's five (below) and for helpers outside the package that follow
     the same switch (the benchmark subscriber's ``bench._rawscan``).
     """
     if not ENABLED:
@@ -105,7 +108,7 @@ def active() -> dict[str, bool]:
 
 def summary() -> str:
     """One line for the start-up log and ``/statz``: ``C (jsscan, wsfast, rowrun,
-    fanout)``, ``pure Python (CHANGESTREAMER_SPEEDUPS=0)``, ``pure Python (not
+    fanout, pgrows)``, ``pure Python (CHANGESTREAMER_SPEEDUPS=0)``, ``pure Python (not
     built)``, or ``C (jsscan, wsfast); pure Python: rowrun, fanout (not built)``."""
     if not ENABLED:
         return f"pure Python ({ENV}=0)"

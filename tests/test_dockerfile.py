@@ -31,6 +31,7 @@ HELPERS = [
     "app/protocol/_wsfast",
     "app/streamer/_rowrun",
     "app/streamer/_fanout",
+    "app/sources/postgres/_pgrows",
 ]
 
 
@@ -113,7 +114,7 @@ def build_wheel(dockerfile: str, tmp: Path) -> Path:
 
 
 def check_wheel(wheel: Path) -> None:
-    """Tagged for this platform, carrying the four C helpers and the migrations."""
+    """Tagged for this platform, carrying the five C helpers and the migrations."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     assert re.search(r"-cp3\d+-cp3\d+-linux_\w+\.whl$", wheel.name), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
@@ -185,7 +186,7 @@ def test_the_build_stage_makes_a_platform_wheel_that_runs_the_c_helpers(tmp_path
     assert run.returncode == 0, run.stderr
     where, summary = run.stdout.splitlines()
     assert Path(where).is_relative_to(env_dir), where  # the installed copy, not the repo's
-    assert summary == "C (jsscan, wsfast, rowrun, fanout)"
+    assert summary == "C (jsscan, wsfast, rowrun, fanout, pgrows)"
     # Its console script migrates a change DB: the migrations are in the wheel.
     data = tmp_path / "data"
     data.mkdir()

@@ -31,6 +31,7 @@ from app.server.admin import (
     render_text,
     service_stats,
 )
+from app.sources.postgres import mapper as pg_mapper
 from app.streamer import rowrun, subscriber
 from app.streamer.service import ChangeStreamerService, SubscriberContext
 
@@ -281,13 +282,14 @@ async def test_statz_says_which_speedups_run_as_json_and_text(
         "wsfast": wsframes.ack_ids is not wsframes._ack_ids_py,
         "rowrun": rowrun.encode_rows is not rowrun.encode_rows_py,
         "fanout": subscriber.select_live is not subscriber._select_live_py,
+        "pgrows": pg_mapper._pgrows is not None,
     }
     assert group == {"summary": speedups.summary(), **in_use}
     if not speedups.ENABLED:
         assert group["summary"] == "pure Python (CHANGESTREAMER_SPEEDUPS=0)"
         assert not any(in_use.values())
     elif all(in_use.values()):
-        assert group["summary"] == "C (jsscan, wsfast, rowrun, fanout)"
+        assert group["summary"] == "C (jsscan, wsfast, rowrun, fanout, pgrows)"
     lines = text.text.splitlines()
     assert lines[:2] == ["=== speedups ===", f"summary: {group['summary']}"]
     assert lines[2:] == [f"{name}: {str(on).lower()}" for name, on in in_use.items()]

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from app import speedups
 from app.protocol import canonical_json
 from app.protocol.lexi import to_lexi
 from app.protocol.messages import Begin, ChangeSourceMessage, Commit, Data
@@ -53,11 +54,19 @@ from app.sources.postgres.pgoutput import (
 from app.sources.postgres.pgoutput import (
     Commit as PgCommit,
 )
-from app.sources.postgres.values import TypeRegistry
+from app.sources.postgres.values import TypeRegistry, parser_kind
 
 __all__ = ["ChangeMapper", "MappingError", "ShardId"]
 
 _IDENTITY: Final = {"d": "default", "n": "nothing", "f": "full", "i": "index"}
+
+# Row changes (Insert, Update, Delete), decoded and mapped in one C call
+# (app/sources/postgres/_pgrows.c, an optional extension; app/speedups.py picks).
+# Without it every message takes decode_message() + map(), which gives the same
+# Data: the C call is that path's fast twin, and hands anything unusual back to it.
+_pgrows = speedups.module("pgrows")
+if _pgrows is not None:
+    _pgrows.setup(Data, UNCHANGED_TOAST)
 
 
 class MappingError(Exception):
@@ -106,10 +115,21 @@ class ChangeMapper:
             t["oid"]: t for t in (initial_schema or {}).get("tables", []) if "oid" in t
         }
         self._relations: dict[int, _Rel] = {}
+        self._specs: dict[int, tuple[Any, ...]] = {}
 
     def needs_types(self, rel: Relation) -> bool:
         """True when a column has a type the registry has not loaded (a new user type)."""
         return any(not self.registry.knows(c.type_oid) for c in rel.columns)
+
+    def map_row(self, buffer: bytes, offset: int) -> Data | None:
+        """The Data of the pgoutput row change (Insert, Update, Delete) at
+        ``buffer[offset:]`` in one C call, or None: then :meth:`map` of
+        :func:`decode_message` gives it (or says what is wrong), as it does for
+        every message when the C helper is not built."""
+        if _pgrows is None:
+            return None
+        data: Data | None = _pgrows.decode(buffer, offset, self._specs)
+        return data
 
     def map(self, message: PgOutputMessage) -> list[ChangeSourceMessage]:
         try:
@@ -216,13 +236,19 @@ class ChangeMapper:
             "keyColumns": key_columns,
             "replicaIdentity": identity,
         }
+        names = tuple(c.name for c in r.columns)
+        parsers = tuple(self.registry.parser(c.type_oid, json_as_string=True) for c in r.columns)
+        key_indexes = tuple(i for i, c in enumerate(r.columns) if c.is_key)
+        kinds = bytes(parser_kind(p) for p in parsers)
         self._relations[r.oid] = _Rel(
             source=r,
             json=relation_json,
-            names=tuple(c.name for c in r.columns),
-            parsers=tuple(self.registry.parser(c.type_oid, json_as_string=True) for c in r.columns),
-            key_indexes=tuple(i for i, c in enumerate(r.columns) if c.is_key),
+            names=names,
+            parsers=parsers,
+            key_indexes=key_indexes,
         )
+        # What _pgrows.decode reads of it (one parser_kind byte per column).
+        self._specs[r.oid] = (relation_json, names, parsers, kinds, key_indexes)
 
     def _check_unchanged(self, r: Relation) -> None:
         """Degraded mode: without event triggers any schema change means reset."""

@@ -75,6 +75,11 @@ KEEPALIVE_SLACK_S: Final = 0.005
 # How long close() waits for the standby writer to end, once woken and once cancelled.
 WRITER_STOP_S: Final = 2.0
 
+# An XLogData CopyData frame: b"w", then wal_start, wal_end, send_time (8 bytes
+# each), then one pgoutput message.
+_XLOG_DATA: Final = 0x77
+_XLOG_HEADER_SIZE: Final = 25
+
 
 @dataclass(frozen=True, slots=True)
 class PostgresSourceOptions:
@@ -229,6 +234,12 @@ class PostgresChangeStream(ChangeStream):
                     )
                 continue
             last_inbound = time.monotonic()
+            if frame[0] == _XLOG_DATA:
+                # Row changes, the bulk of the stream, in one C call (mapper.map_row).
+                row = self._mapper.map_row(frame, _XLOG_HEADER_SIZE)
+                if row is not None:
+                    yield row
+                    continue
             copy = parse_copy_data(frame)
             if isinstance(copy, PrimaryKeepalive):
                 status = self._on_keepalive(copy)

@@ -77,6 +77,7 @@ __all__ = [
     "parse_date",
     "parse_time",
     "parse_timestamp",
+    "parser_kind",
 ]
 
 JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
@@ -356,6 +357,26 @@ _SCALARS: Final[dict[int, tuple[str, ValueParser]]] = {
     TIMETZ: ("timetz", _time_parser("timetz")),
     DATE: ("date", parse_date),
 }
+
+
+# What a parser does, for the C row decoder (app/sources/postgres/_pgrows.c), which
+# converts the commonest kinds itself and calls the parser for the rest.
+KIND_CALL: Final = 0  # call the parser
+KIND_TEXT: Final = 1  # the text itself (the parser is ``str``)
+KIND_INT: Final = 2  # int(text), exact
+KIND_BOOL: Final = 3  # 't' / 'f'
+_INT_PARSERS: Final = frozenset(_SCALARS[oid][1] for oid in (INT2, INT4, INT8, OID))
+
+
+def parser_kind(parser: ValueParser) -> int:
+    """Which of the kinds above ``parser`` (from :meth:`TypeRegistry.parser`) is."""
+    if parser is str:
+        return KIND_TEXT
+    if parser in _INT_PARSERS:
+        return KIND_INT
+    if parser is _parse_bool:
+        return KIND_BOOL
+    return KIND_CALL
 
 
 @dataclass(frozen=True, slots=True)
