@@ -274,7 +274,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         ws_per_message_deflate=False,
         # uvicorn's sans-I/O websockets, with zero's liveness rule: a pong *or* any
         # inbound frame keeps a peer alive (app/server/ws_protocol.py).
-        ws=LivenessProtocol,
+        ws=LivenessProtocol.with_queue_limit(settings.subscriber_max_queued_bytes),
         # Pings at most every 30 s (zero's clients drop a silent socket after 33 s);
         # a generous pong timeout, since a busy replica may answer late.
         ws_ping_interval=20,

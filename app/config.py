@@ -97,6 +97,20 @@ class Settings(BaseModel):
             "ZERO_CHANGE_STREAMER_FLOW_CONTROL_SLOW_SUBSCRIBER_GRACE_PERIOD_SECONDS"
         ),
     )
+    # Per subscriber connection: bytes sent and not yet acknowledged before it is
+    # dropped (flow control normally keeps this far lower: it bounds a stuck one).
+    subscriber_max_unacked_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        validation_alias=_env("CHANGESTREAMER_SUBSCRIBER_MAX_UNACKED_BYTES"),
+    )
+    # ... and bytes written but not yet taken by the client's socket before sending
+    # waits (the socket's write-buffer high-water mark; asyncio's default).
+    subscriber_max_queued_bytes: int = Field(
+        64 * 1024,
+        gt=0,
+        validation_alias=_env("CHANGESTREAMER_SUBSCRIBER_MAX_QUEUED_BYTES"),
+    )
     admin_password: str | None = Field(None, validation_alias=_env("ZERO_ADMIN_PASSWORD"))
     operator_password: str | None = Field(None, validation_alias=_env("ZERO_OPERATOR_PASSWORD"))
     node_env: str | None = Field(None, validation_alias=_env("NODE_ENV"))

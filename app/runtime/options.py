@@ -15,6 +15,7 @@ def streamer_options(settings: Settings) -> StreamerOptions:
         back_pressure_bytes=settings.back_pressure_bytes,
         timeout_proportion=settings.consensus_timeout_proportion,
         slow_subscriber_grace_s=settings.slow_subscriber_grace_s,
+        max_unconsumed_bytes=settings.subscriber_max_unacked_bytes,
         auto_reset=settings.auto_reset,
         backup_url=settings.litestream_backup_url,
         reservation_max_s=settings.reservation_max_s,

@@ -63,19 +63,21 @@ class Session:
         self._sender: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
         self._ending = False
-        # Set when this socket's reservation was cancelled by another one for the
-        # same task before it subscribed: the socket then protects nothing, so it
-        # is closed and the client learns to start over.
-        self._superseded = asyncio.Event()
+        # Set when the server ends the session: this socket's reservation was
+        # cancelled by another one for the same task before it subscribed (the
+        # socket then protects nothing, so it is closed and the client learns to
+        # start over), or the subscription's channel closed (the subscriber was
+        # dropped: its sender may be stuck behind a client that does not read).
+        self._server_ended = asyncio.Event()
 
     async def run(self) -> None:
         receiver = asyncio.create_task(self._receive(), name="v7-receive")
         subscription = asyncio.create_task(self._send_subscription(), name="v7-send")
-        superseded = asyncio.create_task(self._superseded.wait(), name="v7-superseded")
+        server_ended = asyncio.create_task(self._server_ended.wait(), name="v7-server-ended")
         try:
             await run_until_done(
                 self._websocket,
-                {receiver, subscription, superseded},  # type: ignore[arg-type]
+                {receiver, subscription, server_ended},  # type: ignore[arg-type]
                 on_end=self._end,
                 name="v7",
             )
@@ -172,7 +174,7 @@ class Session:
         )
         if superseded:
             log.info("reservation of task %s was superseded; closing", reservation.task_id)
-            self._superseded.set()
+            self._server_ended.set()
 
     def _start_subscription(self, body: dict[str, Any]) -> None:
         if self._downstream is not None:
@@ -189,6 +191,7 @@ class Session:
         # Registering the subscriber closes this task's reservation: the
         # subscriber's own position protects the log from then on, so no gap.
         self._downstream = self._get_service().subscribe(ctx)
+        self._downstream.on_close(self._server_ended.set)
         self._subscribed.set()
 
 

@@ -24,6 +24,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -42,6 +43,10 @@ MAX_BATCH = 64
 # frame each; v7: in frames of MAX_BATCH).
 MAX_COALESCED = 256
 SENDER_GRACE_S = 1.0
+# The close handshake waits for the socket to be writable; a client that stopped
+# reading would hold it (and every byte queued for it) forever: after this long the
+# connection is aborted instead.
+CLOSE_TIMEOUT_S = 5.0
 
 
 def close_reason(message: str) -> str:
@@ -193,17 +198,22 @@ async def stream_downstream(
     outbound = Outbound(websocket)
     sender = asyncio.create_task(outbound.pump(downstream, batched=batched), name=f"send-{name}")
     receiver = asyncio.create_task(_receive_acks(websocket, outbound), name=f"recv-{name}")
-    await run_until_done(websocket, {sender, receiver}, on_end=downstream.close, name=name)
+    # The channel closed by the server (the subscriber was dropped) ends the stream
+    # even while the sender waits on a socket its client does not read.
+    closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    downstream.on_close(partial(_resolve, closed))
+    await run_until_done(websocket, {sender, receiver, closed}, on_end=downstream.close, name=name)
 
 
 async def run_until_done(
     websocket: WebSocket,
-    tasks: set[asyncio.Task[None]],
+    tasks: set[asyncio.Future[None]],
     *,
     on_end: Callable[[str], None],
     name: str,
 ) -> None:
-    """Runs a connection's tasks until one ends; then stops the rest and closes."""
+    """Runs a connection's tasks until one ends; then stops the rest and closes
+    (within ``CLOSE_TIMEOUT_S``, else the connection is aborted)."""
     violation: ProtocolViolation | None = None
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -228,7 +238,25 @@ async def run_until_done(
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
-        await close(websocket, violation)
+        try:
+            await asyncio.wait_for(close(websocket, violation), CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            log.info("stream %s: the client does not read; aborting the connection", name)
+            abort(websocket)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def abort(websocket: WebSocket) -> None:
+    """Drops the connection at once, discarding what is queued for it (our
+    protocol's socket; elsewhere the server closes it when the app returns)."""
+    extension = (websocket.scope.get("extensions") or {}).get(DIRECT)
+    direct: DirectSocket | None = extension.get("socket") if extension else None
+    if direct is not None:
+        direct.abort()
 
 
 async def _receive_acks(websocket: WebSocket, outbound: Outbound) -> None:

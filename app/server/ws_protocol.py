@@ -26,10 +26,12 @@ upgrade that renames them fails loudly.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import re
+from asyncio import BaseTransport, Transport
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final, cast
 
 from uvicorn._types import ASGISendEvent
 from websockets.http11 import Request
@@ -91,9 +93,58 @@ class DirectSocket:
     def write(self, frames: bytes) -> None:
         self._protocol.transport.write(frames)
 
+    def abort(self) -> None:
+        """Closes the connection now, dropping unsent bytes (a client not reading)."""
+        self._protocol.transport.abort()
+
+
+# asyncio's Transport.close() first flushes what is buffered, so a peer that stopped
+# reading keeps a "closed" connection, and every byte queued for it, forever: uvicorn
+# closes that way after the app returns, on a keepalive timeout and when its close
+# handshake times out. Past this long the connection is aborted.
+CLOSE_FLUSH_S: Final = 5.0
+
+
+class _BoundedClose:
+    """The connection's transport, except that ``close`` ends in an abort if the
+    buffered bytes have not drained within ``CLOSE_FLUSH_S``."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self.write = transport.write  # the hot call, without a Python hop
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._transport.close()
+        if self._deadline is None and self._transport.get_write_buffer_size():
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.call_later(CLOSE_FLUSH_S, self._transport.abort)
+
+    def abort(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._transport.abort()
+
 
 class LivenessProtocol(WebSocketsSansIOProtocol):
     direct: DirectSocket | None = None  # set at the handshake
+    # Sending waits while more than this is buffered for the socket (a subclass per
+    # server sets it: ``with_queue_limit``); None keeps asyncio's default.
+    max_queued_bytes: int | None = None
+
+    @classmethod
+    def with_queue_limit(cls, max_queued_bytes: int) -> type[LivenessProtocol]:
+        """This protocol with sending paused above ``max_queued_bytes`` buffered."""
+        return type(cls.__name__, (cls,), {"max_queued_bytes": max_queued_bytes})
+
+    def connection_made(self, transport: BaseTransport) -> None:
+        bounded = _BoundedClose(cast(Transport, transport))
+        if self.max_queued_bytes is not None:
+            bounded.set_write_buffer_limits(high=self.max_queued_bytes)
+        super().connection_made(bounded)  # type: ignore[arg-type]
 
     def data_received(self, data: bytes) -> None:
         match = self._ack_matcher()

@@ -63,6 +63,16 @@ class Broadcast:
     def pending(self) -> frozenset[Subscriber]:
         return frozenset(self._pending)
 
+    @property
+    def age_s(self) -> float:
+        """Seconds since the checkpoint was sent."""
+        return self._timers.monotonic() - self._start
+
+    def forget(self, sub: Subscriber) -> None:
+        """``sub`` was dropped: nothing waits for it any more (its channel may take
+        a while to close, e.g. while its client does not read)."""
+        self._complete(sub)
+
     def _on_sent(self, sub: Subscriber, _result: asyncio.Future[Any]) -> None:
         self._complete(sub)
 

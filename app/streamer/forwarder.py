@@ -10,6 +10,14 @@ consensus timeout on, a subscriber that missed the last release deadline and
 is slower than the slowest on-time subscriber is *lagging*; lagging without a
 break for the grace period gets it disconnected with ``StreamTooFarBehind``
 (spec/core.md §4.6), so one slow replica cannot keep costing everyone else.
+
+A subscriber can also hold the stream without ever being judged a laggard: when
+it does not ack or does not read, and either it is the only one or the stuck ones
+are so many that no majority consumes the checkpoint (so no consensus timer is
+ever armed), the main loop waits on it for good. So the tick also drops, with
+``StreamTooFarBehind``, every subscriber the waited-on checkpoint still waits for
+once that checkpoint is older than the grace period: whatever the reason, it has
+not consumed 64 KiB of changes in that time while the stream waited.
 """
 
 from __future__ import annotations
@@ -197,6 +205,7 @@ class Forwarder:
             if info["elapsedMs"] >= 1000:
                 log.info("flow control waiting for a majority of subscribers: %s", info)
         self._check_laggards(now)
+        self._check_stuck()
 
     def rate(self, sub: Subscriber) -> float | None:
         rate = self._rates.get(sub)
@@ -223,13 +232,31 @@ class Forwarder:
                 sub.lagging_since = now
             elif now - sub.lagging_since >= self._grace_s:
                 lagged_ms = round((now - sub.lagging_since) * 1000)
-                log.warning("disconnecting subscriber %s: lagging for %d ms", sub.id, lagged_ms)
-                self.active.discard(sub)
-                self._rates.pop(sub, None)
-                sub.close(
-                    ErrorType.STREAM_TOO_FAR_BEHIND,
-                    f"lagging for over {round(self._grace_s * 1000)}ms ({lagged_ms}ms)",
-                )
+                self._drop(sub, f"lagging for over {round(self._grace_s * 1000)}ms ({lagged_ms}ms)")
+
+    def _check_stuck(self) -> None:
+        """Drops whoever the waited-on checkpoint has waited for over the grace period."""
+        current = self.current
+        if self._grace_s <= 0 or current is None or current.age_s < self._grace_s:
+            return
+        held_ms = round(current.age_s * 1000)
+        for sub in current.pending:
+            self._drop(
+                sub,
+                f"held up flow control for over {round(self._grace_s * 1000)}ms "
+                f"({held_ms}ms without consuming a checkpoint)",
+            )
+
+    def _drop(self, sub: Subscriber, reason: str) -> None:
+        """Disconnects ``sub`` with StreamTooFarBehind; no checkpoint waits for it."""
+        log.warning("disconnecting subscriber %s: %s", sub.id, reason)
+        self.active.discard(sub)
+        self.queued.discard(sub)
+        self._rates.pop(sub, None)
+        for broadcast in (self.current, self._in_flight):
+            if broadcast is not None:
+                broadcast.forget(sub)
+        sub.close(ErrorType.STREAM_TOO_FAR_BEHIND, reason)
 
     def close_all(self) -> None:
         for sub in [*self.active, *self.queued]:

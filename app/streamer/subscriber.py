@@ -35,6 +35,9 @@ BACKLOG_HIGH_WATER = 16 * 1024 * 1024
 BACKLOG_LOW_WATER_FRACTION = 0.8
 # The backlog is emitted in chunks of about this many bytes.
 DRAIN_CHUNK_BYTES = 256 * 1024
+# A closing error is delivered in-band first; a client that does not ack it within
+# this long (it stopped reading, say) has its channel closed anyway.
+ERROR_DELIVERY_S = 5.0
 # Protocol versions below 5 do not know this tag (spec/source.md §1.9).
 _MIN_VERSION: dict[str, int] = {"update-table-metadata": 5}
 
@@ -288,6 +291,7 @@ class Subscriber:
         sent = self.downstream.push([error_message_json(error_type, message)], track=True)
         self._closed = True
         sent.add_done_callback(lambda _: self.downstream.close(message))
+        asyncio.get_running_loop().call_later(ERROR_DELIVERY_S, self.downstream.close, message)
 
     def fail(self, error: BaseException) -> None:
         """Drops the subscriber silently; it will reconnect and resume."""

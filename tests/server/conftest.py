@@ -40,6 +40,11 @@ class Server:
     url: str
     source: MemoryChangeSource
     service: ChangeStreamerService
+    http: uvicorn.Server
+
+    def connections(self) -> int:
+        """Open client connections (a websocket's ends when its socket is closed)."""
+        return len(self.http.server_state.connections)
 
 
 async def new_service(
@@ -86,7 +91,7 @@ async def start_server(tmp_path: Path, **options: Any) -> AsyncIterator[Server]:
         await asyncio.sleep(0.01)
     assert server.started, "uvicorn did not start"
     try:
-        yield Server(f"ws://127.0.0.1:{port}", source, service)
+        yield Server(f"ws://127.0.0.1:{port}", source, service, server)
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 20)

@@ -11,7 +11,11 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from app.protocol.canonical_json import loads
+from app.protocol.errors import ErrorType
 from app.protocol.lexi import to_lexi
+from app.server import transport as transport_module
+from app.server import ws_protocol as ws_protocol_module
+from app.streamer import subscriber as subscriber_module
 
 from .conftest import Server, start_server
 from .test_replication_ws import QUERY, txn
@@ -82,6 +86,114 @@ async def test_a_client_that_stops_reading_is_dropped_and_others_continue(tmp_pa
                 await asyncio.sleep(0.05)
             assert {s.id for s in server.service.forwarder.active} == {"good-1", "good-2"}
             del stuck
+
+
+async def read_until_error(ws: ClientConnection) -> dict[str, object]:
+    """Reads without acking until an in-band error; returns its body."""
+    while True:
+        msg = loads(await asyncio.wait_for(ws.recv(), 20))["msg"]
+        if msg[0] == "error":
+            return dict(msg[1])
+
+
+async def closed_by_server(ws: ClientConnection) -> None:
+    """Reads whatever is buffered until the server's close or abort shows."""
+    with pytest.raises(ConnectionClosed):
+        for _ in range(1_000_000):
+            await asyncio.wait_for(ws.recv(), 20)
+
+
+async def test_stuck_subscribers_that_block_the_majority_are_dropped_after_the_grace_period(
+    tmp_path: Path,
+) -> None:
+    # One healthy subscriber and two stuck ones: no majority ever consumes a
+    # checkpoint, so no consensus timer is armed; before the stuck rule the healthy
+    # one got nothing more until the stuck ones went away.
+    async for server in start_server(tmp_path, slow_subscriber_grace_s=1.0):
+        base = f"{server.url}/replication/v6/changes?replicaVersion=01&watermark=01"
+        async with (
+            connect(f"{base}&id=good") as good,
+            connect(f"{base}&id=no-acks") as no_acks,
+            connect(f"{base}&id=no-reads", max_queue=1) as no_reads,
+        ):
+            await good.recv()
+            await good.send('{"ack":1}')
+            stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+            count = 150
+            for n in range(2, 2 + count):
+                stream.push_all(txn(to_lexi(n), 20))
+            expected = [to_lexi(n) for n in range(2, 2 + count)]
+            reading = asyncio.create_task(read_until_error(no_acks))
+            assert await follow(good, expected[-1]) == expected
+            error = await reading
+            assert error["type"] == int(ErrorType.STREAM_TOO_FAR_BEHIND)
+            assert "held up flow control for over 1000ms" in str(error["message"])
+            await closed_by_server(no_acks)
+            await closed_by_server(no_reads)
+            assert {s.id for s in server.service.forwarder.active} == {"good"}
+            # The stream goes on at full pace for the one left.
+            stream.push_all(txn(to_lexi(2 + count), 20))
+            assert await follow(good, to_lexi(2 + count)) == [to_lexi(2 + count)]
+
+
+async def test_a_dropped_client_that_does_not_read_is_disconnected_and_its_bytes_freed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shorter bounds than the defaults (5 s each), so the test waits less.
+    monkeypatch.setattr(subscriber_module, "ERROR_DELIVERY_S", 0.5)
+    monkeypatch.setattr(transport_module, "CLOSE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(ws_protocol_module, "CLOSE_FLUSH_S", 0.5)
+    async for server in start_server(tmp_path, slow_subscriber_grace_s=1.0):
+        base = f"{server.url}/replication/v6/changes?replicaVersion=01&watermark=01"
+        async with (
+            connect(f"{base}&id=good", max_size=None) as good,
+            connect(f"{base}&id=no-reads", max_queue=1, max_size=None) as no_reads,
+        ):
+            await good.recv()
+            await good.send('{"ack":1}')
+            stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+            # Values far larger than the sockets' kernel buffers: what the client does
+            # not read stays queued in the server process until it is disconnected.
+            big = "x" * (2 * 1024 * 1024)
+            watermarks = [to_lexi(n) for n in range(2, 8)]
+            for w in watermarks:
+                stream.push_all(big_txn(w, big))
+            assert await follow(good, watermarks[-1]) == watermarks
+            for _ in range(400):  # its socket is closed while it still reads nothing
+                if server.connections() == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert server.connections() == 1
+            assert {s.id for s in server.service.forwarder.active} == {"good"}
+            del no_reads
+
+
+def big_txn(w: str, value: str) -> list[list[object]]:
+    """``txn(w)`` with one insert of ``value``."""
+    begin, data, commit = txn(w, 1)
+    data[1]["new"] = {"id": 1, "v": value}
+    return [begin, data, commit]
+
+
+async def test_a_sole_subscriber_that_never_acks_is_dropped_and_can_resume(
+    tmp_path: Path,
+) -> None:
+    async for server in start_server(tmp_path, slow_subscriber_grace_s=1.0):
+        base = f"{server.url}/replication/v6/changes?replicaVersion=01&watermark=01"
+        async with connect(f"{base}&id=alone") as alone:
+            stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+            count = 150
+            for n in range(2, 2 + count):
+                stream.push_all(txn(to_lexi(n), 20))
+            error = await read_until_error(alone)
+            assert error["type"] == int(ErrorType.STREAM_TOO_FAR_BEHIND)
+            await closed_by_server(alone)
+        # Everything was stored meanwhile: a new connection catches up on all of it.
+        async with connect(f"{base}&id=alone") as again:
+            await again.recv()
+            await again.send('{"ack":1}')
+            expected = [to_lexi(n) for n in range(2, 2 + count)]
+            assert await follow(again, expected[-1]) == expected
 
 
 async def test_200_subscribers_churning_do_not_disturb_a_steady_one(server: Server) -> None:

@@ -300,3 +300,47 @@ async def test_checkpoints_are_pipelined_one_deep() -> None:
     fourth = checkpoint(fwd, CHANGE)
     await settle()
     assert fourth.done()
+
+
+async def test_subscribers_holding_the_waited_checkpoint_past_the_grace_are_dropped() -> None:
+    # One on time, two that never consume: no majority, so no consensus timer.
+    fwd, timers, subs = await laggard_setup(grace_s=5)
+    (good, good_ds), (stuck1, ds1), (stuck2, ds2) = subs
+    checkpoint(fwd, CHANGE)  # nothing before it: not waited on
+    waited = checkpoint(fwd, CHANGE)
+    await settle()
+    drain(good_ds)
+    await settle()
+    assert not waited.done()
+    for _ in range(4):
+        timers.advance(1.0)
+        await settle()
+    assert fwd.active == {good, stuck1, stuck2}  # 4 s: within the grace period
+    timers.advance(1.0)
+    await settle()
+    assert fwd.active == {good}
+    assert waited.result() == "all-subscribers"  # nobody left to wait for
+    for ds in (ds1, ds2):
+        errors = [m for m in drain(ds) if m[0] == "error"]  # type: ignore[index]
+        assert errors[0][1]["type"] == int(ErrorType.STREAM_TOO_FAR_BEHIND)  # type: ignore[index]
+        assert errors[0][1]["message"].startswith(  # type: ignore[index]
+            "held up flow control for over 5000ms"
+        )
+    fwd.stop_progress_monitor()
+
+
+async def test_a_sole_stuck_subscriber_is_dropped_and_no_grace_period_keeps_it() -> None:
+    for grace_s, kept in ((3.0, False), (0.0, True)):
+        timers = ManualTimers()
+        fwd = Forwarder(timers=timers, timeout_proportion=2.0, grace_period_s=grace_s)
+        [(sub, _ds)] = await live_subs(1)
+        fwd.add(sub)
+        fwd.start_progress_monitor()
+        checkpoint(fwd, CHANGE)
+        waited = checkpoint(fwd, CHANGE)
+        for _ in range(10):
+            timers.advance(1.0)
+            await settle()
+        assert (sub in fwd.active) is kept
+        assert waited.done() is not kept
+        fwd.stop_progress_monitor()
