@@ -76,7 +76,10 @@ def create_app(
                     await runner
             await db.dispose()
 
-    app = FastAPI(title="changestreamer", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No OpenAPI document: it would list every route to anyone, without a password.
+    app = FastAPI(
+        title="changestreamer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
 
     def ready() -> tuple[bool, str]:
         # Ready = the streamer runs and, with backups configured, a backup covers

@@ -146,17 +146,18 @@ def health_router(
     )
     router = HealthRouter(monitor)
 
-    @router.get("/", response_class=PlainTextResponse)
+    # HEAD too: load balancers probe with it (the server sends no body).
+    @router.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def health() -> str:
         return "OK"
 
-    @router.get("/keepalive", response_class=PlainTextResponse)
+    @router.api_route("/keepalive", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def keepalive(request: Request) -> str:
         if monitor is not None:
             monitor.heartbeat(request.headers)
         return "OK"
 
-    @router.get("/ready")
+    @router.api_route("/ready", methods=["GET", "HEAD"])
     async def readiness() -> JSONResponse:
         try:
             is_ready, reason = ready()

@@ -28,7 +28,8 @@ from app.streamer.service import ChangeStreamerService, SubscriberContext
 MIN_PROTOCOL_VERSION = 1
 MAX_PROTOCOL_VERSION = 7
 
-_PATH = re.compile(r"/replication/v(\d+)/(changes|snapshot|subscribe)$")
+# ASCII digits only: \d would also take "v٦" (an Arabic-Indic six) as v6.
+_PATH = re.compile(r"/replication/v([0-9]+)/(changes|snapshot|subscribe)$")
 
 
 class RequestError(Exception):

@@ -224,7 +224,12 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd, path, synchronous, busy_timeout_ms, sql = argv
     with socket.socket(fileno=int(fd)) as sock:
-        return serve(sock, path, synchronous, int(busy_timeout_ms), sql)
+        try:
+            return serve(sock, path, synchronous, int(busy_timeout_ms), sql)
+        except (BrokenPipeError, ConnectionResetError):
+            # The parent died (even by SIGKILL) while we were answering or reading:
+            # the commit in hand is done or never began; nobody is left to tell.
+            return 0
 
 
 if __name__ == "__main__":

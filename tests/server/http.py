@@ -53,8 +53,8 @@ class Reply:
         return json.loads(self.body)
 
 
-def _fetch(url: str, headers: dict[str, str]) -> Reply:
-    request = urllib.request.Request(url, headers=headers)
+def _fetch(url: str, headers: dict[str, str], method: str = "GET") -> Reply:
+    request = urllib.request.Request(url, headers=headers, method=method)
     try:
         with _OPENER.open(request, timeout=90) as r:
             return Reply(r.status, r.headers, r.read())
@@ -66,3 +66,8 @@ def _fetch(url: str, headers: dict[str, str]) -> Reply:
 async def http_get(url: str, headers: dict[str, str] | None = None) -> Reply:
     """GET in a worker thread (urllib blocks); error statuses are returned, not raised."""
     return await asyncio.to_thread(_fetch, url, headers or {})
+
+
+async def http_head(url: str) -> Reply:
+    """HEAD, as ``http_get``."""
+    return await asyncio.to_thread(_fetch, url, {}, "HEAD")

@@ -62,3 +62,11 @@ async def test_with_backups_ready_waits_for_a_covering_backup(tmp_path: Path) ->
         }
         service.track_backup_watermark(REPLICA_VERSION)
         assert (await http_get(url + "/ready")).status == 200
+
+
+async def test_no_route_list_is_served_without_a_password(tmp_path: Path) -> None:
+    db, _source, service = await new_service(tmp_path, task_id="t")
+    app = create_app(db, service, startup_delay_s=3600)
+    async with serve(app) as url:
+        statuses = [(await http_get(url + path)).status for path in ("/openapi.json", "/docs")]
+    assert statuses == [404, 404]

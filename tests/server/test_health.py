@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from app.server.health import HealthRouter, KeepaliveMonitor, health_router
 
-from .http import http_get, serve
+from .http import http_get, http_head, serve
 
 # -- a real server on loopback -------------------------------------------------
 
@@ -249,3 +249,22 @@ async def test_a_stopped_monitor_is_not_rearmed_by_heartbeats() -> None:
 def test_a_non_positive_keepalive_timeout_is_rejected() -> None:
     with pytest.raises(ValueError, match="must be positive"):
         KeepaliveMonitor(0, never_expires)
+
+
+async def test_head_probes_get_the_status_of_get_and_no_body() -> None:
+    state = {"ready": False}
+
+    def ready() -> tuple[bool, str]:
+        return (True, "") if state["ready"] else (False, "not yet")
+
+    router = health_router(
+        ready=ready, keepalive_timeout_s=None, on_keepalive_expired=never_expires
+    )
+    async with serve(ready_app(router)) as url:
+        health = await http_head(url + "/")
+        keepalive = await http_head(url + "/keepalive")
+        not_ready = await http_head(url + "/ready")
+        state["ready"] = True
+        is_ready = await http_head(url + "/ready")
+    assert [r.status for r in (health, keepalive, not_ready, is_ready)] == [200, 200, 503, 200]
+    assert all(r.body == b"" for r in (health, keepalive, not_ready, is_ready))

@@ -69,6 +69,10 @@ async def closed_with(url: str) -> tuple[int | None, str]:
             "Error: the /subscribe endpoint requires protocol v7 (client is at v6)",
         ),
         (f"/replication/6/changes?{QUERY}", "Error: invalid path: /replication/6/changes"),
+        (  # an Arabic-Indic six is a digit to \d and int(), not a protocol version
+            f"/replication/v%D9%A6/changes?{QUERY}",
+            "Error: invalid path: /replication/v\u0666/changes",
+        ),
         (
             "/replication/v6/changes?replicaVersion=01&watermark=01",
             "Error: invalid querystring - missing id",

@@ -10,12 +10,23 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from app.storage import ChangeDb, ChangeLog, ChangeRow, Replication, SubscriptionState
+from app.storage import (
+    ChangeDb,
+    ChangeLog,
+    ChangeRow,
+    Replication,
+    SubscriptionState,
+    sqlite_group,
+    sqlite_writer,
+)
 from app.storage.sqlite_group import SqliteStatements
 from app.storage.sqlite_writer import SqliteWriterError, SqliteWriterProcess
 
@@ -192,3 +203,33 @@ async def test_a_commit_that_takes_too_long_stops_the_process(log: ChangeLog) ->
         blocker.close()
         await w.close()
     assert ("02", 0) not in await stored(log)
+
+
+async def test_a_parent_gone_mid_commit_ends_the_process_quietly(log: ChangeLog) -> None:
+    # As after a SIGKILL of serve: the parent's end closes while a commit is in hand,
+    # so the answer cannot be written. The process stops, with no traceback.
+    w = writer(log)
+    args = [w._path, w._synchronous, str(w._busy_timeout_ms), w._statements.to_json()]
+    returncode, stderr = await asyncio.to_thread(hang_up_mid_commit, args)
+    assert returncode == 0, stderr
+    assert "Traceback" not in stderr
+
+
+def hang_up_mid_commit(args: list[str]) -> tuple[int, str]:
+    """Starts the writer program, sends one commit and closes our end at once."""
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen(
+        [sys.executable, "-I", sqlite_writer._PROGRAM, str(theirs.fileno()), *args],
+        pass_fds=(theirs.fileno(),),
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    theirs.close()
+    assert sqlite_group.read_frame(ours) == ("ready",)
+    rows = [tuple(r) for r in tx("02", 2000)]
+    sqlite_group.write_frame(ours, ("commit_rows", OWNER, rows, "02"))
+    ours.shutdown(socket.SHUT_RDWR)
+    ours.close()
+    _, stderr = proc.communicate(timeout=30)
+    return proc.returncode, stderr
