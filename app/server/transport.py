@@ -90,8 +90,7 @@ class Outbound:
         self._runs: deque[tuple[int, Downstream | None, int]] = deque()
         self._lock = asyncio.Lock()
         # uvicorn with our protocol offers per-frame shortcuts (app/server/ws_protocol.py).
-        extension = (websocket.scope.get("extensions") or {}).get(DIRECT)
-        self._direct: DirectSocket | None = extension.get("socket") if extension else None
+        self._direct = _direct(websocket)
         if self._direct is not None:
             self._direct.on_acks = self.match
 
@@ -202,7 +201,9 @@ async def stream_downstream(
     # even while the sender waits on a socket its client does not read.
     closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     downstream.on_close(partial(_resolve, closed))
-    await run_until_done(websocket, {sender, receiver, closed}, on_end=downstream.close, name=name)
+    await run_until_done(
+        websocket, {sender, receiver, closed}, on_end=downstream.close, name=name, plain_close=True
+    )
 
 
 async def run_until_done(
@@ -211,9 +212,15 @@ async def run_until_done(
     *,
     on_end: Callable[[str], None],
     name: str,
+    plain_close: bool = False,
 ) -> None:
     """Runs a connection's tasks until one ends; then stops the rest and closes
-    (within ``CLOSE_TIMEOUT_S``, else the connection is aborted)."""
+    (within ``CLOSE_TIMEOUT_S``, else the connection is aborted).
+
+    ``plain_close``: end with a close frame without a status code, also after a
+    protocol violation (spec/wire.md §1.4: once streaming began the reference
+    closes so, peers see 1005; the reason goes to our log). Otherwise 1000, or
+    1002 with the violation as the reason."""
     violation: ProtocolViolation | None = None
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -239,7 +246,7 @@ async def run_until_done(
             with contextlib.suppress(BaseException):
                 await task
         try:
-            await asyncio.wait_for(close(websocket, violation), CLOSE_TIMEOUT_S)
+            await asyncio.wait_for(close(websocket, violation, plain_close), CLOSE_TIMEOUT_S)
         except TimeoutError:
             log.info("stream %s: the client does not read; aborting the connection", name)
             abort(websocket)
@@ -253,8 +260,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
 def abort(websocket: WebSocket) -> None:
     """Drops the connection at once, discarding what is queued for it (our
     protocol's socket; elsewhere the server closes it when the app returns)."""
-    extension = (websocket.scope.get("extensions") or {}).get(DIRECT)
-    direct: DirectSocket | None = extension.get("socket") if extension else None
+    direct = _direct(websocket)
     if direct is not None:
         direct.abort()
 
@@ -278,14 +284,26 @@ async def receive_frame(websocket: WebSocket) -> str | bytes | None:
     return bytes(event.get("bytes") or b"")
 
 
-async def close(websocket: WebSocket, violation: ProtocolViolation | None) -> None:
+async def close(
+    websocket: WebSocket, violation: ProtocolViolation | None, plain: bool = False
+) -> None:
     if websocket.client_state != WebSocketState.CONNECTED:
         return
+    if violation is not None:
+        log.info("closing stream: %s", violation)
+    direct = _direct(websocket)
+    if plain and direct is not None and direct.close_without_status():
+        return
     with contextlib.suppress(Exception):
-        if violation is not None:
-            log.info("closing stream: %s", violation)
+        if violation is not None and not plain:
             await websocket.close(PROTOCOL_ERROR, close_reason(f"Error: {violation}"))
         else:
             # ASGI cannot send a close frame without a code (which peers of the
             # reference see as 1005); 1000 means the same to them: reconnect.
             await websocket.close(NORMAL_CLOSURE)
+
+
+def _direct(websocket: WebSocket) -> DirectSocket | None:
+    """Our protocol's shortcuts for this connection (None under another server)."""
+    extension = (websocket.scope.get("extensions") or {}).get(DIRECT)
+    return extension.get("socket") if extension else None

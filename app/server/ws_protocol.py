@@ -97,6 +97,11 @@ class DirectSocket:
         """Closes the connection now, dropping unsent bytes (a client not reading)."""
         self._protocol.transport.abort()
 
+    def close_without_status(self) -> bool:
+        """Starts the close handshake with a close frame that has no status code
+        (ASGI cannot send one); False if the connection is not open for it."""
+        return self._protocol.close_without_status()
+
 
 # asyncio's Transport.close() first flushes what is buffered, so a peer that stopped
 # reading keeps a "closed" connection, and every byte queued for it, forever: uvicorn
@@ -183,6 +188,22 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
                 self.transport.write(encode_text_frames([text]))
                 return
         await super().send(message)
+
+    def close_without_status(self) -> bool:
+        """What uvicorn does for an ASGI ``websocket.close``, minus the status code:
+        the app's receive ends, the peer's echo (or the close timeout) ends the
+        connection."""
+        if not self.handshake_complete or self.close_sent or self.transport.is_closing():
+            return False
+        self.queue.put_nowait({"type": "websocket.disconnect", "code": 1005, "reason": ""})
+        self.conn.send_close()
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.close_sent = True
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
+        self.close_timer = self.loop.call_later(self.close_timeout, self.transport.close)
+        return True
 
     def can_write_frames(self) -> bool:
         """Whole frames may be written to the transport now. Sending needs less than
