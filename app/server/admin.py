@@ -53,6 +53,7 @@ import hmac
 import json
 import logging
 import marshal
+import math
 import os
 import platform
 import re
@@ -60,6 +61,7 @@ import resource
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -107,19 +109,77 @@ def check_startup(admin_password: str | None, development: bool) -> str | None:
     return None
 
 
+class LoginBackoff:
+    """Slows password guessing: per client address, after ``FREE_FAILURES`` wrong
+    passwords in a row every further attempt must wait (1 s, doubling to 60 s)
+    and is answered 429 until then, without looking at the password. A right
+    password clears the address. At most ``MAX_ADDRESSES`` are remembered (the
+    least recently failed are forgotten first), each for ``FORGET_S`` after its
+    last failure: bounded memory whatever the flood."""
+
+    FREE_FAILURES = 10
+    FIRST_WAIT_S = 1.0
+    MAX_WAIT_S = 60.0
+    FORGET_S = 600.0
+    MAX_ADDRESSES = 4096
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        # address -> (failures in a row, monotonic time of the last one)
+        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()
+
+    def wait_s(self, address: str) -> float:
+        """Seconds ``address`` must still wait before its password is checked."""
+        entry = self._failures.get(address)
+        if entry is None:
+            return 0.0
+        failures, last = entry
+        now = self._clock()
+        if now - last >= self.FORGET_S:
+            del self._failures[address]
+            return 0.0
+        return max(0.0, last + self._wait_after(failures) - now)
+
+    def failed(self, address: str) -> None:
+        failures = self._failures.pop(address, (0, 0.0))[0] + 1
+        self._failures[address] = (failures, self._clock())
+        if failures == self.FREE_FAILURES + 1:
+            log.warning(
+                "%d wrong admin passwords in a row from %s: slowing it down", failures, address
+            )
+        while len(self._failures) > self.MAX_ADDRESSES:
+            self._failures.popitem(last=False)
+
+    def succeeded(self, address: str) -> None:
+        self._failures.pop(address, None)
+
+    def _wait_after(self, failures: int) -> float:
+        extra = failures - self.FREE_FAILURES
+        if extra <= 0:
+            return 0.0
+        return float(min(self.MAX_WAIT_S, self.FIRST_WAIT_S * 2 ** min(extra - 1, 16)))
+
+
 class AdminAuth:
     """Checks Basic credentials against the admin and operator passwords.
 
     Empty passwords count as unset (as an empty ``ZERO_ADMIN_PASSWORD`` does).
+    Wrong passwords are slowed down per client address (:class:`LoginBackoff`).
     """
 
     def __init__(
-        self, admin_password: str | None, operator_password: str | None, development: bool
+        self,
+        admin_password: str | None,
+        operator_password: str | None,
+        development: bool,
+        *,
+        backoff: LoginBackoff | None = None,
     ) -> None:
         self._admin = admin_password.encode() if admin_password else None
         self._operator = operator_password.encode() if operator_password else None
         self._development = development
         self._warned = False
+        self.backoff = backoff or LoginBackoff()
 
     def allows(self, authorization: str | None, role: Role) -> bool:
         """Whether an ``Authorization`` header value grants an endpoint requiring ``role``."""
@@ -142,9 +202,23 @@ class AdminAuth:
         return granted
 
     def denial(self, request: Request, realm: str, role: Role) -> Response | None:
-        """None if ``request`` may proceed, else the 401 to answer."""
-        if self.allows(request.headers.get("authorization"), role):
+        """None if ``request`` may proceed, else the 401 (or, while its address must
+        wait after too many wrong passwords, the 429) to answer."""
+        address = request.client.host if request.client is not None else ""
+        wait_s = self.backoff.wait_s(address)
+        if wait_s > 0:
+            return PlainTextResponse(
+                "Too many wrong passwords; retry later",
+                status_code=429,
+                headers={"Retry-After": str(math.ceil(wait_s))},
+            )
+        authorization = request.headers.get("authorization")
+        if self.allows(authorization, role):
+            if authorization is not None:
+                self.backoff.succeeded(address)
             return None
+        if authorization is not None:  # a challenge-less first request is no guess
+            self.backoff.failed(address)
         return PlainTextResponse(
             "Unauthorized",
             status_code=401,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import logging
 import re
 from asyncio import BaseTransport, Transport
 from collections.abc import Callable
@@ -65,6 +66,8 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import (  # noqa: E402
 )
 
 __all__ = ["DIRECT", "DirectSocket", "LivenessProtocol"]
+
+log = logging.getLogger(__name__)
 
 # ASGI scope extension: ``scope["extensions"][DIRECT]["socket"]`` is this connection's
 # DirectSocket, for an app that wants to skip the ASGI message layer per frame.
@@ -188,6 +191,21 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
                 self.transport.write(encode_text_frames([text]))
                 return
         await super().send(message)
+
+    def send_receive_event_to_app(self) -> None:
+        # A text message that is not UTF-8 is the client's protocol error (1007), as
+        # in uvicorn, but logged as one line, not as a server traceback at ERROR.
+        if self.curr_msg_data_type == "text" and not self.close_sent:
+            try:
+                b"".join(self.frames).decode()
+            except UnicodeDecodeError as e:
+                self.frames = []
+                client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+                log.info("closing a websocket from %s: a text frame is not UTF-8 (%s)", client, e)
+                self.conn.send_close(1007, "invalid UTF-8")
+                self.handle_parser_exception()
+                return
+        super().send_receive_event_to_app()
 
     def close_without_status(self) -> bool:
         """What uvicorn does for an ASGI ``websocket.close``, minus the status code:

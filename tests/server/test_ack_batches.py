@@ -108,3 +108,28 @@ async def test_the_first_bad_ack_in_a_chunk_closes_after_the_good_ones_count(
     assert "closing stream: unexpected ack 8: expected ack 7" in caplog.text
     assert sub.acked == "02"  # the good acks before the bad one were matched
     assert sub.closed
+
+
+async def test_a_text_frame_that_is_not_utf8_closes_1007_with_one_log_line(
+    server: Server, client: RawClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    # uvicorn's loggers do not propagate to the root logger: listen to them directly.
+    uvicorn_error = logging.getLogger("uvicorn.error")
+    uvicorn_error.addHandler(caplog.handler)
+    try:
+        await check_invalid_utf8_close(server, client)
+    finally:
+        uvicorn_error.removeHandler(caplog.handler)
+    assert "a text frame is not UTF-8" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+async def check_invalid_utf8_close(server: Server, client: RawClient) -> None:
+    await receive_frames(server, client, 1)
+    client.writer.write(
+        Frame(Opcode.TEXT, b'{"ack":1,"x":"\xff\xfe"}').serialize(mask=True, extensions=[])
+    )
+    opcode, payload = await client.frame()
+    assert opcode == Opcode.CLOSE.value
+    assert int.from_bytes(payload[:2], "big") == 1007

@@ -24,6 +24,7 @@ from app.protocol import canonical_json, wsframes
 from app.server.admin import (
     STARTUP_ERROR,
     AdminAuth,
+    LoginBackoff,
     LoopProfiler,
     Role,
     admin_router,
@@ -112,6 +113,51 @@ async def test_a_wrong_password_is_401() -> None:
     for reply in (wrong, prefix, longer):
         assert reply.status == 401
         assert reply.headers["WWW-Authenticate"] == STATZ_CHALLENGE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_repeated_wrong_passwords_from_an_address_must_wait_then_429() -> None:
+    clock = Clock()
+    auth = AdminAuth(ADMIN, OPERATOR, development=False, backoff=LoginBackoff(clock))
+    free = LoginBackoff.FREE_FAILURES
+    async with serve(admin_app(auth)) as url:
+        first = [(await get(url + "/statz", f"guess-{i}")).status for i in range(free + 1)]
+        blocked = await get(url + "/statz", "another-guess")
+        right_too_soon = await get(url + "/statz", ADMIN)
+        clock.now += 1.0  # the first wait is 1 s
+        right = await get(url + "/statz", ADMIN)
+        # A right password clears the count: ten more guesses are free again.
+        again = [(await get(url + "/statz", f"guess-{i}")).status for i in range(free)]
+    assert first == [401] * (free + 1)
+    assert (blocked.status, blocked.headers["Retry-After"]) == (429, "1")
+    assert right_too_soon.status == 429  # the password is not even looked at
+    assert right.status == 200
+    assert again == [401] * free
+
+
+def test_the_wait_doubles_to_a_cap_and_memory_is_bounded() -> None:
+    clock = Clock()
+    backoff = LoginBackoff(clock)
+    free = LoginBackoff.FREE_FAILURES
+    waits = []
+    for _ in range(free + 8):
+        backoff.failed("10.0.0.1")
+        waits.append(backoff.wait_s("10.0.0.1"))
+    assert waits[:free] == [0.0] * free
+    assert waits[free:] == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    clock.now += LoginBackoff.FORGET_S
+    assert backoff.wait_s("10.0.0.1") == 0.0  # forgotten after a quiet while
+    for i in range(LoginBackoff.MAX_ADDRESSES + 100):
+        backoff.failed(f"addr-{i}")
+    assert len(backoff._failures) == LoginBackoff.MAX_ADDRESSES
+    assert "addr-0" not in backoff._failures  # the least recent went first
 
 
 async def test_the_admin_password_opens_statz_whatever_the_username() -> None:
