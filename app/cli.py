@@ -45,6 +45,8 @@ from app.runtime.postgres import (
     prepare_upstream,
 )
 from app.server.admin import AdminAuth, check_startup
+from app.server.http_protocol import GuardedHttpProtocol
+from app.server.log_lines import limit_lines
 from app.server.ws_protocol import LivenessProtocol
 from app.sources.demo import DemoChangeSource
 from app.storage import (
@@ -275,6 +277,10 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         # uvicorn's sans-I/O websockets, with zero's liveness rule: a pong *or* any
         # inbound frame keeps a peer alive (app/server/ws_protocol.py).
         ws=LivenessProtocol.with_queue_limit(settings.subscriber_max_queued_bytes),
+        # httptools, with bounds on requests still arriving (app/server/http_protocol.py).
+        http=GuardedHttpProtocol.with_limits(
+            settings.max_pending_handshakes, settings.handshake_timeout_s
+        ),
         # Pings at most every 30 s (zero's clients drop a silent socket after 33 s);
         # a generous pong timeout, since a busy replica may answer late.
         ws_ping_interval=20,
@@ -282,6 +288,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         log_level=settings.log_level,
         lifespan="on",
     )
+    limit_lines()  # after uvicorn configured its loggers (Config does)
     server = uvicorn.Server(config)
     tune_for_streaming()
     try:

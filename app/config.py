@@ -111,6 +111,19 @@ class Settings(BaseModel):
         gt=0,
         validation_alias=_env("CHANGESTREAMER_SUBSCRIBER_MAX_QUEUED_BYTES"),
     )
+    # At most this many subscribers at once (more are refused with a 1002 close that
+    # says so; clients retry).
+    max_subscribers: int = Field(
+        1000, gt=0, validation_alias=_env("CHANGESTREAMER_MAX_SUBSCRIBERS")
+    )
+    # Connections whose request has not fully arrived: at most this many at once
+    # (more get 503), each for at most this long (then 408).
+    max_pending_handshakes: int = Field(
+        256, gt=0, validation_alias=_env("CHANGESTREAMER_MAX_PENDING_HANDSHAKES")
+    )
+    handshake_timeout_s: FiniteFloat = Field(
+        10, gt=0, validation_alias=_env("CHANGESTREAMER_HANDSHAKE_TIMEOUT_SECONDS")
+    )
     admin_password: str | None = Field(None, validation_alias=_env("ZERO_ADMIN_PASSWORD"))
     operator_password: str | None = Field(None, validation_alias=_env("ZERO_OPERATOR_PASSWORD"))
     node_env: str | None = Field(None, validation_alias=_env("NODE_ENV"))

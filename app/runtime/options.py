@@ -16,6 +16,7 @@ def streamer_options(settings: Settings) -> StreamerOptions:
         timeout_proportion=settings.consensus_timeout_proportion,
         slow_subscriber_grace_s=settings.slow_subscriber_grace_s,
         max_unconsumed_bytes=settings.subscriber_max_unacked_bytes,
+        max_subscribers=settings.max_subscribers,
         auto_reset=settings.auto_reset,
         backup_url=settings.litestream_backup_url,
         reservation_max_s=settings.reservation_max_s,

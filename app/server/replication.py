@@ -23,13 +23,14 @@ from app.server.subscribe_v7 import Session
 from app.server.transport import reject, stream_downstream
 from app.streamer.downstream import Downstream
 from app.streamer.reservations import BackupsNotConfiguredError, Reservation
-from app.streamer.service import ChangeStreamerService, SubscriberContext
+from app.streamer.service import ChangeStreamerService, SubscriberContext, TooManySubscribers
 
 MIN_PROTOCOL_VERSION = 1
 MAX_PROTOCOL_VERSION = 7
 
-# ASCII digits only: \d would also take "v٦" (an Arabic-Indic six) as v6.
-_PATH = re.compile(r"/replication/v([0-9]+)/(changes|snapshot|subscribe)$")
+# ASCII digits only: \d would also take "v٦" (an Arabic-Indic six) as v6. At most 9,
+# so that int() of them cannot fail (it refuses more than 4300 digits).
+_PATH = re.compile(r"/replication/v([0-9]{1,9})/(changes|snapshot|subscribe)$")
 
 
 class RequestError(Exception):
@@ -90,8 +91,16 @@ def router(get_service: Callable[[], ChangeStreamerService]) -> APIRouter:
         except RequestError as e:
             await reject(websocket, str(e))
             return
-        await websocket.accept()
-        downstream = get_service().subscribe(ctx)
+        try:
+            downstream = get_service().subscribe(ctx)
+        except TooManySubscribers as e:
+            await reject(websocket, str(e))
+            return
+        try:
+            await websocket.accept()
+        except BaseException:
+            downstream.close("connection ended")  # the client left during the upgrade
+            raise
         # Batch frames only for clients that can read them (v7 and asked for).
         batched = ctx.protocol_version >= 7 and websocket.query_params.get("wsBatched") == "true"
         await stream_downstream(websocket, downstream, name=ctx.id, batched=batched)

@@ -40,7 +40,7 @@ from app.protocol.lexi import InvalidWatermarkError, parse_state_version
 from app.server.transport import Outbound, ProtocolViolation, receive_frame, run_until_done
 from app.streamer.downstream import Downstream
 from app.streamer.reservations import BackupsNotConfiguredError, Reservation
-from app.streamer.service import ChangeStreamerService, SubscriberContext
+from app.streamer.service import ChangeStreamerService, SubscriberContext, TooManySubscribers
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,10 @@ class Session:
         )
         # Registering the subscriber closes this task's reservation: the
         # subscriber's own position protects the log from then on, so no gap.
-        self._downstream = self._get_service().subscribe(ctx)
+        try:
+            self._downstream = self._get_service().subscribe(ctx)
+        except TooManySubscribers as e:
+            raise ProtocolViolation(str(e)) from None
         self._downstream.on_close(self._server_ended.set)
         self._subscribed.set()
 

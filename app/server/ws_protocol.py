@@ -167,6 +167,9 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
             super().data_received(data)
         else:
             self._deliver_texts(texts, match)
+        if not self.handshake_initiated and self.conn.handshake_exc is not None:
+            self._send_handshake_rejection()
+            return
         if self.pending_ping_payload is not None and self.pong_timer is not None:
             # As good as a pong: the peer is reading and writing.
             self.pending_ping_payload = None
@@ -206,6 +209,16 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
                 self.handle_parser_exception()
                 return
         super().send_receive_event_to_app()
+
+    def _send_handshake_rejection(self) -> None:
+        """websockets refused the upgrade request itself (a request line or header
+        over its limits: 414 or 431, or no valid HTTP) and queued its answer, which
+        uvicorn never writes, so the client waited for its own timeout. Send it."""
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.info("refused a websocket upgrade from %s: %s", client, self.conn.handshake_exc)
+        self.handshake_initiated = self.handshake_complete = self.close_sent = True
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        self.transport.close()
 
     def close_without_status(self) -> bool:
         """What uvicorn does for an ASGI ``websocket.close``, minus the status code:

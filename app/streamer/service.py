@@ -78,6 +78,10 @@ DURABLE_HISTORY = 10_000
 SWITCH_INTERVAL_S = 0.0005
 
 
+class TooManySubscribers(Exception):
+    """The subscriber limit is reached; the message says so (the client retries)."""
+
+
 class UnrecoverableError(Exception):
     """The upstream broke the protocol; retrying would repeat it."""
 
@@ -108,6 +112,7 @@ class StreamerOptions:
     # A subscriber with more than this sent but not acknowledged is dropped (it
     # stopped reading); it can resume from the change log.
     max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES
+    max_subscribers: int = 1000
     # Snapshot reservations open longer than this are ended (a stuck restore).
     reservation_max_s: float = DEFAULT_MAX_OPEN_S
     # The replica backups are made of; its size goes into reservation statuses.
@@ -567,7 +572,14 @@ class ChangeStreamerService:
     # Subscribers, backups, reservations.
 
     def subscribe(self, ctx: SubscriberContext) -> Downstream:
-        """Starts a subscription; errors arrive in-band on the returned channel."""
+        """Starts a subscription; errors arrive in-band on the returned channel.
+        Raises :class:`TooManySubscribers` (before anything starts) at the limit."""
+        count = len(self.forwarder.active) + len(self.forwarder.queued)
+        if count >= self.options.max_subscribers:
+            raise TooManySubscribers(
+                f"this change-streamer serves at most {self.options.max_subscribers} "
+                "subscribers; retry later"
+            )
         if ctx.mode == "serving":
             self.serving_started.set()
         downstream = Downstream(max_unconsumed_bytes=self.options.max_unconsumed_bytes)

@@ -13,6 +13,7 @@ import pytest
 import uvicorn
 
 from app.server.app import create_app
+from app.server.http_protocol import GuardedHttpProtocol
 from app.server.ws_protocol import LivenessProtocol
 from app.sources.memory import MemoryChangeSource
 from app.storage import (
@@ -70,7 +71,14 @@ async def new_service(
     return db, source, service
 
 
-async def start_server(tmp_path: Path, **options: Any) -> AsyncIterator[Server]:
+async def start_server(
+    tmp_path: Path,
+    *,
+    max_pending: int = 256,
+    handshake_timeout_s: float = 10.0,
+    **options: Any,
+) -> AsyncIterator[Server]:
+    """The service behind uvicorn with the protocols (and their bounds) `serve` uses."""
     db, source, service = await new_service(tmp_path, task_id="server-test", **options)
     port = free_port()
     app = create_app(db, service, startup_delay_s=3600)
@@ -81,7 +89,8 @@ async def start_server(tmp_path: Path, **options: Any) -> AsyncIterator[Server]:
         port=port,
         log_level="warning",
         ws_per_message_deflate=False,
-        ws=LivenessProtocol,
+        ws=LivenessProtocol.with_queue_limit(64 * 1024),
+        http=GuardedHttpProtocol.with_limits(max_pending, handshake_timeout_s),
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

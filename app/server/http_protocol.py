@@ -1,0 +1,151 @@
+"""uvicorn's httptools protocol, with bounds on requests that have not arrived yet.
+
+A connection is *pending* from its first byte (or its opening) until its request's
+headers are complete, and again from the first byte of each later request on it.
+uvicorn bounds neither how many connections may be pending nor for how long, nor
+(for upgrades, which websockets parses again) quite how large a request head may
+grow before the client hears why it was refused. Here:
+
+* at most ``max_pending`` connections are pending at once: one more is answered
+  ``503`` and closed at once, so a flood of slow handshakes cannot starve the
+  subscribers already streaming (their connections are not pending);
+* a pending connection whose headers have not arrived within ``timeout_s`` is
+  answered ``408`` and closed (slow-header clients);
+* a request line longer than ``MAX_REQUEST_LINE_BYTES`` is answered ``414`` and a
+  request head larger than ``MAX_REQUEST_HEAD_BYTES`` ``431``, before the parser
+  or the websocket handshake sees it, and the client receives the answer (uvicorn
+  logged a 414 that the websocket path never sent: the client hung).
+
+Each refusal is one INFO log line with the client's address. Like
+``ws_protocol.py``, this subclasses an uvicorn implementation class; the
+pinned uvicorn range is tested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Final
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+__all__ = [
+    "MAX_REQUEST_HEAD_BYTES",
+    "MAX_REQUEST_LINE_BYTES",
+    "GuardedHttpProtocol",
+    "PendingLimits",
+]
+
+log = logging.getLogger(__name__)
+
+# websockets refuses request lines over 8 KiB in the handshake; plain requests get
+# the same limit here, and a whole head of at most 16 KiB.
+MAX_REQUEST_LINE_BYTES: Final = 8 * 1024
+MAX_REQUEST_HEAD_BYTES: Final = 16 * 1024
+
+_REASONS: Final = {
+    408: b"Request Timeout",
+    414: b"URI Too Long",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
+
+
+@dataclass
+class PendingLimits:
+    """The bounds, and the count of pending connections they share (one per server)."""
+
+    max_pending: int
+    timeout_s: float
+    pending: int = 0
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    limits: PendingLimits  # set per server by ``with_limits``
+
+    @classmethod
+    def with_limits(cls, max_pending: int, timeout_s: float) -> type[GuardedHttpProtocol]:
+        """This protocol with its own count of pending connections."""
+        return type(cls.__name__, (cls,), {"limits": PendingLimits(max_pending, timeout_s)})
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending = False
+        self._answered = False
+        self._head_bytes = 0
+        self._line_done = False
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if self.limits.pending >= self.limits.max_pending:
+            self._refuse(503, f"more than {self.limits.max_pending} connections are opening")
+            return
+        self._begin_pending()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end_pending()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._answered:
+            return
+        if not self._pending and self.cycle is not None and self.cycle.response_complete:
+            self._begin_pending()  # the first bytes of the next request on this connection
+        if self._pending:
+            if not self._line_done:
+                end = data.find(b"\n")
+                self._line_done = end >= 0
+                line_bytes = self._head_bytes + (end if self._line_done else len(data))
+                if line_bytes > MAX_REQUEST_LINE_BYTES:
+                    self._refuse(414, f"request line over {MAX_REQUEST_LINE_BYTES} bytes")
+                    return
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_REQUEST_HEAD_BYTES:
+                self._refuse(431, f"request head over {MAX_REQUEST_HEAD_BYTES} bytes")
+                return
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self._end_pending()
+        super().on_headers_complete()
+
+    # -- internals ----------------------------------------------------------
+
+    def _begin_pending(self) -> None:
+        if self._pending:
+            return
+        self._pending = True
+        self._head_bytes = 0
+        self._line_done = False
+        self.limits.pending += 1
+        self._deadline = self.loop.call_later(self.limits.timeout_s, self._timed_out)
+
+    def _end_pending(self) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        self.limits.pending -= 1
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _timed_out(self) -> None:
+        self._deadline = None
+        if self._pending and not self._answered:
+            self._refuse(408, f"no complete request within {self.limits.timeout_s:g} s")
+
+    def _refuse(self, status: int, why: str) -> None:
+        """Answers ``status`` and closes; the connection reads nothing more."""
+        self._answered = True
+        self._end_pending()
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.info("refused a connection from %s: %d (%s)", client, status, why)
+        body = why.encode()
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+            % (status, _REASONS[status], len(body), body)
+        )
+        self.transport.close()

@@ -1,0 +1,149 @@
+"""Connection limits on a real server: request sizes, pending handshakes, subscribers.
+
+Each refusal is an answer the client receives at once (a status line, or a 1002
+close with the reason), while the subscribers already streaming keep streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+from uvicorn.logging import AccessFormatter
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from app.protocol.lexi import to_lexi
+from app.server.http_protocol import GuardedHttpProtocol
+from app.server.log_lines import LineLimit
+
+from .conftest import Server, start_server
+from .test_replication_ws import txn
+from .test_robustness import follow
+
+BASE = "/replication/v6/changes?replicaVersion=01&watermark=01"
+
+
+async def raw_request(server: Server, head: bytes) -> bytes:
+    """Sends ``head`` on a new connection; everything the server answers until it
+    closes (fails if that takes 10 s: a refusal must not leave the client waiting)."""
+    host, port = server.url.removeprefix("ws://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head)
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+def upgrade(path: str, extra_headers: str = "") -> bytes:
+    key = base64.b64encode(os.urandom(16)).decode()
+    return (
+        f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{extra_headers}\r\n"
+    ).encode()
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Server]:
+    async for s in start_server(tmp_path):
+        yield s
+
+
+async def test_an_over_long_request_line_is_414_for_plain_and_upgrade_requests(
+    server: Server,
+) -> None:
+    plain = await raw_request(server, b"GET /?" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    ws = await raw_request(server, upgrade(f"{BASE}&id={'a' * 9000}"))
+    for answer in (plain, ws):
+        assert answer.startswith(b"HTTP/1.1 414 "), answer[:100]
+
+
+async def test_over_large_request_heads_are_431(server: Server) -> None:
+    big = "".join(f"X-Pad-{i}: {'v' * 100}\r\n" for i in range(200))  # ~22 KiB
+    plain = await raw_request(server, f"GET / HTTP/1.1\r\nHost: x\r\n{big}\r\n".encode())
+    # Under 16 KiB in all, but more headers than websockets takes (128): its own
+    # refusal, which uvicorn left unsent.
+    many = "".join(f"X-{i}: v\r\n" for i in range(150))
+    ws = await raw_request(server, upgrade(f"{BASE}&id=x", many))
+    for answer in (plain, ws):
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+
+
+async def test_pending_handshakes_are_bounded_and_time_out_while_streams_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.server.http_protocol")
+    async for server in start_server(tmp_path, max_pending=5, handshake_timeout_s=1.0):
+        host, port = server.url.removeprefix("ws://").split(":")
+        async with connect(f"{server.url}{BASE}&id=steady") as steady:
+            await steady.recv()
+            await steady.send('{"ack":1}')
+            # Five connections that never send a request take every pending place.
+            silent = [await asyncio.open_connection(host, int(port)) for _ in range(5)]
+            protocol = cast(type[GuardedHttpProtocol], server.http.config.http_protocol_class)
+            limits = protocol.limits
+            for _ in range(200):
+                if limits.pending == 5:
+                    break
+                await asyncio.sleep(0.01)
+            assert limits.pending == 5
+            refused = await raw_request(server, b"")
+            assert refused.startswith(b"HTTP/1.1 503 ")
+            assert "more than 5 connections are opening" in caplog.text
+            # The stream meanwhile:
+            stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+            stream.push_all(txn("02", 5))
+            assert await follow(steady, "02") == ["02"]
+            # Past the timeout each silent one is answered 408 and closed...
+            answers = [await asyncio.wait_for(r.read(), 10) for r, _ in silent]
+            assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers)
+            for _, w in silent:
+                w.close()
+            # ...and new connections are served again.
+            async with connect(f"{server.url}{BASE}&id=late") as late:
+                assert "status" in str(await asyncio.wait_for(late.recv(), 10))
+            stream.push_all(txn(to_lexi(3), 1))
+            assert await follow(steady, to_lexi(3)) == [to_lexi(3)]
+
+
+async def test_subscribers_beyond_the_limit_are_refused_with_the_reason(tmp_path: Path) -> None:
+    async for server in start_server(tmp_path, max_subscribers=2):
+        async with connect(f"{server.url}{BASE}&id=a") as a:
+            async with connect(f"{server.url}{BASE}&id=b") as b:
+                await a.recv()
+                await b.recv()
+                async with connect(f"{server.url}{BASE}&id=c") as c:
+                    with pytest.raises(ConnectionClosed) as e:
+                        await asyncio.wait_for(c.recv(), 10)
+                assert e.value.rcvd is not None
+                assert e.value.rcvd.code == 1002
+                assert "serves at most 2 subscribers" in e.value.rcvd.reason
+            for _ in range(200):  # b's channel closes as its socket does
+                if len(server.service.forwarder.active) == 1:
+                    break
+                await asyncio.sleep(0.02)
+            async with connect(f"{server.url}{BASE}&id=d") as d:
+                assert "status" in str(await asyncio.wait_for(d.recv(), 10))
+
+
+def test_long_request_paths_are_cut_in_access_lines() -> None:
+    record = logging.LogRecord(
+        "uvicorn.access",
+        logging.INFO,
+        __file__,
+        1,
+        '%s - "%s %s HTTP/%s" %d',
+        ("127.0.0.1:5", "GET", "/?" + "a" * 5000, "1.1", 200),
+        None,
+    )
+    assert LineLimit(512).filter(record)
+    line = AccessFormatter(fmt="%(message)s", use_colors=False).format(record)
+    assert len(line) < 700
+    assert line.endswith('... (4490 more characters) HTTP/1.1" 200')
