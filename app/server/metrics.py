@@ -6,6 +6,7 @@ gauges as they are at that moment, so there is no registry to keep. Metrics:
 ================================================  =======  =================================
 ``changestreamer_running``                        gauge    1 while the change stream runs
 ``changestreamer_subscribers{state}``             gauge    ``active`` / ``queued`` subscribers
+``changestreamer_event_loop_lag_seconds``         gauge    worst event-loop lateness, last 60 s
 ``changestreamer_subscriber_backlog_bytes``       gauge    bytes buffered for subscribers, sum
 ``changestreamer_subscriber_max_backlog_bytes``   gauge    … of the most backlogged subscriber
 ``changestreamer_subscriber_pending_messages``    gauge    sent but not yet acked, sum
@@ -199,6 +200,11 @@ async def collect(
         )
         .add(len(forwarder.active), state="active")
         .add(len(forwarder.queued), state="queued"),
+        MetricFamily(
+            "changestreamer_event_loop_lag_seconds",
+            "gauge",
+            "The longest the event loop ran late in the last 60 s (a stall subscribers see).",
+        ).add(service.loop_lag.max_s()),
         MetricFamily(
             "changestreamer_subscriber_backlog_bytes",
             "gauge",

@@ -188,6 +188,7 @@ class Outbound:
                 return
             messages = [first, *downstream.take(MAX_COALESCED - 1)]
             await self.send(messages, downstream, per_frame=per_frame)
+            del first, messages  # not held while the next ones are awaited
 
 
 async def stream_downstream(

@@ -11,16 +11,23 @@ order, sends them without waiting for acks (pipelining), and reports acks with
 Bounded: if the bytes pushed but not yet consumed exceed ``max_unconsumed_bytes``
 the channel closes itself (the subscriber is dropped and resumes from the change
 log later); flow control and the backlog gate normally keep it far below.
+*Large* messages (over a quarter of the bound: a change with a 50 MB value, say)
+do not count against it while unconsumed: flow control already limits them (a
+checkpoint each, at most two in flight), and counting them would drop the
+subscriber at every attempt for good.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Literal, overload
 
 from app import speedups
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNCONSUMED_BYTES = 64 * 1024 * 1024
 
@@ -46,8 +53,15 @@ class DownstreamClosed(Exception):
 
 
 class Downstream:
-    def __init__(self, *, max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES) -> None:
+    def __init__(
+        self, *, max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES, name: str = ""
+    ) -> None:
         self._max = max_unconsumed_bytes
+        self._name = name  # for the log line of an overflow
+        # Large messages not yet consumed, (message number, size), oldest first, and
+        # their total: what the bound does not count.
+        self._large: deque[tuple[int, int]] = deque()
+        self._allowance = 0
         self._unsent: deque[str] = deque()
         # Byte accounting without a per-message record to pop: ``_ends[i]`` is the
         # running total of pushed bytes at the end of message ``_head + i + 1``
@@ -123,12 +137,22 @@ class Downstream:
         if self._closed or not messages:
             return future
         self._unsent.extend(messages)
-        total = running_totals(self._ends, messages, self._pushed_bytes)
+        before = self._pushed_bytes
+        total = running_totals(self._ends, messages, before)
         self._pushed_bytes = total
         self.pushed += len(messages)
         self._wakeup.set()
-        if total - self._consumed_bytes > self._max:
-            self.close(f"more than {self._max} bytes sent but not acknowledged")
+        large = self._max // 4
+        if total - before > large:  # rare: the push may hold a large message
+            first = self.pushed - len(messages) + 1
+            for number, message in enumerate(messages, first):
+                if len(message) > large:
+                    self._large.append((number, len(message)))
+                    self._allowance += len(message)
+        if total - self._consumed_bytes > self._max + self._allowance:
+            reason = f"more than {self._max} bytes sent but not acknowledged"
+            log.warning("dropping subscriber %s: %s", self._name or "?", reason)
+            self.close(reason)
         return future
 
     async def get(self) -> str:
@@ -176,6 +200,9 @@ class Downstream:
             del self._ends[:head]
             head = 0
         self._head = head
+        large = self._large
+        while large and large[0][0] <= self.consumed:
+            self._allowance -= large.popleft()[1]
         trackers = self._trackers
         while trackers and trackers[0][0] <= self.consumed:
             future = trackers.popleft()[1]
@@ -198,6 +225,8 @@ class Downstream:
         self._ends.clear()
         self._head = 0
         self._consumed_bytes = self._pushed_bytes
+        self._large.clear()
+        self._allowance = 0
         self._wakeup.set()
         callbacks, self._on_close = self._on_close, []
         for callback in callbacks:

@@ -38,6 +38,7 @@ class Pump:
         try:
             async for message in self._stream:
                 self.buffer.append(message)
+                del message  # not held here while the next one is awaited
                 if self._waiter is not None:
                     self._wake()
                 while len(self.buffer) >= self._limit:

@@ -60,6 +60,7 @@ from app.storage import (
 from app.streamer.acker import UpstreamAcker
 from app.streamer.downstream import DEFAULT_MAX_UNCONSUMED_BYTES, Downstream
 from app.streamer.forwarder import Forwarder
+from app.streamer.loop_lag import LoopLag
 from app.streamer.pump import Pump
 from app.streamer.purge import CLEANUP_DELAY_S, CommitClock, Purger
 from app.streamer.reservations import DEFAULT_MAX_OPEN_S, Reservation, SnapshotReservations
@@ -161,6 +162,7 @@ class ChangeStreamerService:
         self.change_log = ChangeLog(db)
         self.replication = Replication(db)
         self.acker = UpstreamAcker()
+        self.loop_lag = LoopLag()  # how late the event loop runs (statz, metrics)
         self.forwarder = Forwarder(
             timers=self._timers,
             timeout_proportion=self.options.timeout_proportion,
@@ -242,6 +244,7 @@ class ChangeStreamerService:
         # crash child). A shorter interval costs little.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.running = True
+        self.loop_lag.start()
         self.forwarder.start_progress_monitor()
         first = self._source.start_lag_reporter()
         if first is not None:
@@ -271,6 +274,7 @@ class ChangeStreamerService:
                     await asyncio.wait_for(self._stopped.wait(), delay)
         finally:
             self.forwarder.stop_progress_monitor()
+            await self.loop_lag.stop()
             await self.purger.stop()
             await self.reservations.stop()
             await self.storer.close_catchups()
@@ -401,50 +405,13 @@ class ChangeStreamerService:
                         return
                     await pump.wait_readable(also=storer_task)
                     continue
-                # Changes are stored and forwarded a batch at a time, but always
-                # before any await: a subscriber that joins at an await must find the
-                # forwarder and the storer at the same stream position.
-                forwarding: list[Change] = []
-                try:
-                    i, end = 0, len(batch)
-                    while i < end:
-                        message = batch[i]
-                        kind = type(message)
-                        if kind is Data and self._tx is not None:
-                            # The common case, a run of row changes, in one call
-                            # (rowrun.py). It stops after the change that fills the
-                            # flow-control budget: that change is the checkpoint.
-                            after, used = encode_rows(
-                                batch, i, self._tx, forwarding, FLUSH_THRESHOLD - unflushed
-                            )
-                            if after > i:
-                                self.changes += after - i
-                                i = after
-                                unflushed += used
-                                if unflushed >= FLUSH_THRESHOLD:
-                                    unflushed = 0
-                                    if not await self._checkpoint(forwarding, ended, storer_task):
-                                        return
-                                continue
-                        i += 1
-                        if kind is Control or kind is Status:
-                            self._forward(forwarding)  # what came before it goes first
-                            if kind is Control:
-                                assert isinstance(message, Control)
-                                await self._reset_required(message)
-                            else:
-                                assert isinstance(message, Status)
-                                self._status(message)
-                            continue
-                        change = self._change(message)
-                        forwarding.append(change)
-                        unflushed += len(change.json)
-                        if unflushed >= FLUSH_THRESHOLD:
-                            unflushed = 0
-                            if not await self._checkpoint(forwarding, ended, storer_task):
-                                return
-                finally:
-                    self._forward(forwarding)
+                # In a call of its own, so that nothing of the batch (a change with
+                # a 100 MB value, say) stays referenced while the loop waits.
+                flushed = await self._consume_batch(batch, unflushed, ended, storer_task)
+                del batch
+                if flushed is None:
+                    return
+                unflushed = flushed
                 # The byte budget is checked per batch (at most the pump's 256
                 # messages past it), not per message.
                 gate = self.storer.ready_for_more()
@@ -457,6 +424,61 @@ class ChangeStreamerService:
                         return
         finally:
             await pump.close()
+
+    async def _consume_batch(
+        self,
+        batch: list[ChangeSourceMessage],
+        unflushed: int,
+        ended: asyncio.Future[None],
+        storer_task: asyncio.Task[None],
+    ) -> int | None:
+        """Stores and forwards ``batch``; the bytes forwarded since the last
+        checkpoint, or None if the upstream ended at a checkpoint."""
+        # Changes are stored and forwarded a batch at a time, but always before any
+        # await: a subscriber that joins at an await must find the forwarder and
+        # the storer at the same stream position.
+        forwarding: list[Change] = []
+        try:
+            i, end = 0, len(batch)
+            while i < end:
+                message = batch[i]
+                kind = type(message)
+                if kind is Data and self._tx is not None:
+                    # The common case, a run of row changes, in one call
+                    # (rowrun.py). It stops after the change that fills the
+                    # flow-control budget: that change is the checkpoint.
+                    after, used = encode_rows(
+                        batch, i, self._tx, forwarding, FLUSH_THRESHOLD - unflushed
+                    )
+                    if after > i:
+                        self.changes += after - i
+                        i = after
+                        unflushed += used
+                        if unflushed >= FLUSH_THRESHOLD:
+                            unflushed = 0
+                            if not await self._checkpoint(forwarding, ended, storer_task):
+                                return None
+                        continue
+                i += 1
+                if kind is Control or kind is Status:
+                    self._forward(forwarding)  # what came before it goes first
+                    if kind is Control:
+                        assert isinstance(message, Control)
+                        await self._reset_required(message)
+                    else:
+                        assert isinstance(message, Status)
+                        self._status(message)
+                    continue
+                change = self._change(message)
+                forwarding.append(change)
+                unflushed += len(change.json)
+                if unflushed >= FLUSH_THRESHOLD:
+                    unflushed = 0
+                    if not await self._checkpoint(forwarding, ended, storer_task):
+                        return None
+        finally:
+            self._forward(forwarding)
+        return unflushed
 
     async def _checkpoint(
         self,
@@ -582,7 +604,7 @@ class ChangeStreamerService:
             )
         if ctx.mode == "serving":
             self.serving_started.set()
-        downstream = Downstream(max_unconsumed_bytes=self.options.max_unconsumed_bytes)
+        downstream = Downstream(max_unconsumed_bytes=self.options.max_unconsumed_bytes, name=ctx.id)
         sub = Subscriber(
             id=ctx.id,
             protocol_version=ctx.protocol_version,

@@ -188,6 +188,7 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
 EXPECTED = {
     "changestreamer_running": "gauge",
     "changestreamer_subscribers": "gauge",
+    "changestreamer_event_loop_lag_seconds": "gauge",
     "changestreamer_subscriber_backlog_bytes": "gauge",
     "changestreamer_subscriber_max_backlog_bytes": "gauge",
     "changestreamer_subscriber_pending_messages": "gauge",

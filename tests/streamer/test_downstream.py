@@ -74,12 +74,32 @@ async def test_closing_resolves_tracked_pushes_false_and_ends_gets() -> None:
 
 
 async def test_more_unconsumed_bytes_than_the_bound_closes_the_channel() -> None:
-    ds = Downstream(max_unconsumed_bytes=10)
+    ds = Downstream(max_unconsumed_bytes=100)
     ds.push(["12345"])
     ds.take(1)
     ds.ack_next()
-    ds.push(["1234567890"])  # 10 unconsumed: at the bound, still open
+    ds.push(["x" * 20] * 5)  # 100 unconsumed: at the bound, still open
     assert not ds.closed
     ds.push(["1"])
     assert ds.closed
-    assert ds.close_reason == "more than 10 bytes sent but not acknowledged"
+    assert ds.close_reason == "more than 100 bytes sent but not acknowledged"
+
+
+async def test_large_messages_do_not_count_against_the_bound_until_consumed() -> None:
+    # Large: over a quarter of the bound (25 bytes here).
+    ds = Downstream(max_unconsumed_bytes=100)
+    ds.push(["a" * 50])
+    ds.push(["b" * 60, *(["c" * 20] * 5)])  # 210 unconsumed, 100 of them counted
+    assert not ds.closed
+    ds.push(["d"])  # 101 counted
+    assert ds.closed
+
+    ds = Downstream(max_unconsumed_bytes=100)
+    ds.push(["x" * 50, *(["y" * 20] * 4)])  # 130 unconsumed, 80 counted
+    assert not ds.closed
+    assert ds.take(5) == ["x" * 50, *(["y" * 20] * 4)]
+    ds.ack_next()  # the large one is consumed: 80 unconsumed, all counted
+    ds.push(["z" * 20])  # 100: at the bound
+    assert not ds.closed
+    ds.push(["!"])
+    assert ds.closed

@@ -268,7 +268,10 @@ async def test_a_subscriber_dropped_while_forwarding_does_not_break_the_fan_out(
         channels.append(ds)
     await settle()
     for ds in channels:
-        ds._max = ds.unconsumed_bytes + 10  # the next change overflows: dropped mid-iteration
+        # Filled to within 10 bytes of a bound of 400 (no message near a quarter of
+        # it): the next change overflows, dropped mid-iteration.
+        ds._max = 400
+        ds.push(["x" * 10] * ((390 - ds.unconsumed_bytes) // 10))
     for change in tx("02"):
         fwd.forward([change])  # must not raise "set changed size during iteration"
     assert fwd.active == set()

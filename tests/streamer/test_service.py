@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from app.storage import (
     migrate,
     parse_change_db_url,
 )
+from app.streamer import loop_lag
 from app.streamer.downstream import Downstream
 from app.streamer.service import (
     FLUSH_THRESHOLD,
@@ -697,3 +699,28 @@ def test_begin_and_commit_bodies_are_their_canonical_json(body: dict[str, Any], 
     from app.streamer.service import _bookend
 
     assert _bookend(body, tag, "0a") == reconstruct("0a", tag, dumps(body))
+
+
+async def test_the_loop_lag_monitor_keeps_the_worst_of_its_window() -> None:
+    lag = loop_lag.LoopLag()
+    lag.record(100.0, 0.002)
+    lag.record(101.0, 0.300)
+    lag.record(102.0, 0.001)
+    assert (lag.latest_s, lag.max_s()) == (0.001, 0.300)
+    lag.record(101.0 + loop_lag.WINDOW_S + 0.5, 0.004)  # the 300 ms sample ages out
+    assert lag.max_s() == 0.004
+    # Running, it measures a real stall of the loop.
+    lag = loop_lag.LoopLag()
+    lag.start()
+    await asyncio.sleep(0)  # its first sleep is scheduled
+    hold_the_loop(0.2)  # as a big value's copy would
+    for _ in range(100):  # until the late wake-up is recorded
+        if lag.max_s() > 0:
+            break
+        await asyncio.sleep(0.01)
+    await lag.stop()
+    assert lag.max_s() >= 0.15
+
+
+def hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)

@@ -234,25 +234,33 @@ class PostgresChangeStream(ChangeStream):
                     )
                 continue
             last_inbound = time.monotonic()
+            # The `del`s: nothing of a frame (one may carry a 100 MB value) stays
+            # referenced from here while the next one is awaited.
             if frame[0] == _XLOG_DATA:
                 # Row changes, the bulk of the stream, in one C call (mapper.map_row).
                 row = self._mapper.map_row(frame, _XLOG_HEADER_SIZE)
                 if row is not None:
+                    del frame
                     yield row
+                    del row
                     continue
-            copy = parse_copy_data(frame)
-            if isinstance(copy, PrimaryKeepalive):
-                status = self._on_keepalive(copy)
-                if status is not None:
-                    yield status
-                continue
-            assert isinstance(copy, XLogData)
-            out = await self._map(copy)
-            for message in out:
-                yield message
+            out = await self._frame_messages(frame)
+            del frame
+            out.reverse()
+            while out:
+                yield out.pop()
             if self._resetting():
                 await self._swallow()
                 return
+
+    async def _frame_messages(self, frame: bytes) -> list[ChangeSourceMessage]:
+        """The messages of one frame other than a row change (in stream order)."""
+        copy = parse_copy_data(frame)
+        if isinstance(copy, PrimaryKeepalive):
+            status = self._on_keepalive(copy)
+            return [] if status is None else [status]
+        assert isinstance(copy, XLogData)
+        return await self._map(copy)
 
     def _resetting(self) -> bool:
         return self._reset is not None
