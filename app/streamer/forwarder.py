@@ -11,6 +11,11 @@ is slower than the slowest on-time subscriber is *lagging*; lagging without a
 break for the grace period gets it disconnected with ``StreamTooFarBehind``
 (spec/core.md §4.6), so one slow replica cannot keep costing everyone else.
 
+A subscriber counts for flow control only once it has acknowledged something (its
+status message comes first): until then a checkpoint does not wait for it, and one
+that acknowledges nothing within ``FIRST_ACK_TIMEOUT_S`` is dropped, so a crowd of
+clients that connect and never read cannot take everyone's pace.
+
 A subscriber can also hold the stream without ever being judged a laggard: when
 it does not ack or does not read, and either it is the only one or the stuck ones
 are so many that no majority consumes the checkpoint (so no consensus timer is
@@ -38,10 +43,14 @@ log = logging.getLogger(__name__)
 
 PROGRESS_TICK_S = 1.0
 RATE_SAMPLES = 10
+# A subscriber that has acknowledged nothing (not even its status message) this
+# long after joining is dropped; until its first ack it does not hold flow control.
+FIRST_ACK_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)
 class _Rate:
+    joined: float = 0.0
     samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
 
     def add(self, now: float, processed: int) -> None:
@@ -87,7 +96,7 @@ class Forwarder:
 
     def add(self, sub: Subscriber) -> None:
         (self.queued if self.in_transaction else self.active).add(sub)
-        self._rates[sub] = _Rate()
+        self._rates[sub] = _Rate(joined=self._timers.monotonic())
 
     def remove(self, sub: Subscriber) -> None:
         self.active.discard(sub)
@@ -130,7 +139,9 @@ class Forwarder:
             # which removes it from the set being iterated.
             for sub in tuple(self.active):
                 result = sub.send(part, track=track)
-                if track:
+                # Not before its first ack: a client that connects and never reads
+                # (a flood, a crowd of reconnects) must not hold everyone's pace.
+                if track and sub.processed:
                     sent.append((sub, result))
             self._update_state(part)
             start = stop
@@ -199,7 +210,15 @@ class Forwarder:
             if sub.closed:
                 self.remove(sub)
                 continue
-            self._rates[sub].add(now, sub.processed)
+            rate = self._rates[sub]
+            rate.add(now, sub.processed)
+            if not sub.processed and now - rate.joined >= FIRST_ACK_TIMEOUT_S:
+                log.info(
+                    "dropping subscriber %s: nothing acknowledged in %.0f s",
+                    sub.id,
+                    FIRST_ACK_TIMEOUT_S,
+                )
+                self.remove(sub)
         if self.current is not None and self.current.completed < self.current.majority:
             info = self.current.describe()
             if info["elapsedMs"] >= 1000:

@@ -56,6 +56,8 @@ from app.streamer.timers import TimerHandle, Timers
 log = logging.getLogger(__name__)
 
 CATCHUP_BATCH = 2000
+# Catch-ups that read the log at the same time (the rest queue for a turn).
+MAX_CONCURRENT_CATCHUPS = 4
 DEFAULT_BACK_PRESSURE_BYTES = 64 * 1024 * 1024
 LOW_WATER_FRACTION = 0.8
 
@@ -122,6 +124,7 @@ class Storer:
         group_max_rows: int = 10_000,
         open_tx_flush_bytes: int = 8 * 1024 * 1024,
         catchup_batch: int = CATCHUP_BATCH,
+        max_concurrent_catchups: int = MAX_CONCURRENT_CATCHUPS,
         hold_catchups_until_owned: bool = False,
     ) -> None:
         self._log = change_log
@@ -159,6 +162,10 @@ class Storer:
         self._running = False
         self._stopped = asyncio.Event()
         self._catchups: set[asyncio.Task[None]] = set()
+        # Catch-ups reading the log at once; the rest wait their turn (FIFO), so a
+        # crowd of (re)connecting subscribers cannot take the loop from the live
+        # stream, and one that leaves while waiting costs no read at all.
+        self._reading = asyncio.Semaphore(max_concurrent_catchups)
 
     # ------------------------------------------------------------------
     # Enqueue side: called by the main loop without awaiting.
@@ -535,42 +542,10 @@ class Storer:
         start = sub.watermark
         try:
             await self.wait_durable(up_to, sub=sub)
-            found = start == self._replica_version
-            rows_seen = False
-            last: asyncio.Future[bool] | None = None
-            async for batch in self._log.read(start, up_to, batch_size=self._catchup_batch):
-                rows_seen = True
-                if last is not None:
-                    await last  # at most two batches in memory
-                    last = None
+            async with self._reading:
                 if sub.closed:
                     return
-                # The rows of the subscriber's own last transaction come first (the
-                # read starts at it): skipped. Without them the log was purged past it.
-                skip = 0
-                while skip < len(batch) and batch[skip][0] == start:
-                    skip += 1
-                found = found or skip > 0
-                if not found and skip < len(batch):
-                    watermark = batch[skip][0]
-                    if mode == "backup":
-                        raise AutoResetSignal(
-                            f"backup replica at watermark {start} is behind change db: {watermark})"
-                        )
-                    sub.close(
-                        ErrorType.WATERMARK_TOO_OLD,
-                        f"earliest supported watermark is {watermark} (requested {start})",
-                    )
-                    return
-                last = sub.catchup(_stored_changes(batch[skip:] if skip else batch))
-            if not found and not rows_seen:
-                log.info(
-                    "subscriber %s at %s is ahead of the durable change log (%s)",
-                    sub.id,
-                    start,
-                    up_to,
-                )
-            sub.set_caught_up()
+                await self._read_for(sub, mode, start, up_to)
         except AutoResetSignal as e:
             log.error("%s", e)
             sub.fail(e)
@@ -580,6 +555,45 @@ class Storer:
         except Exception as e:
             log.exception("catch-up of subscriber %s failed", sub.id)
             sub.fail(e)
+
+    async def _read_for(self, sub: Subscriber, mode: Mode, start: str, up_to: str) -> None:
+        """Emits the log's changes after ``start`` through ``up_to`` to ``sub``."""
+        found = start == self._replica_version
+        rows_seen = False
+        last: asyncio.Future[bool] | None = None
+        async for batch in self._log.read(start, up_to, batch_size=self._catchup_batch):
+            rows_seen = True
+            if last is not None:
+                await last  # at most two batches in memory
+                last = None
+            if sub.closed:
+                return
+            # The rows of the subscriber's own last transaction come first (the
+            # read starts at it): skipped. Without them the log was purged past it.
+            skip = 0
+            while skip < len(batch) and batch[skip][0] == start:
+                skip += 1
+            found = found or skip > 0
+            if not found and skip < len(batch):
+                watermark = batch[skip][0]
+                if mode == "backup":
+                    raise AutoResetSignal(
+                        f"backup replica at watermark {start} is behind change db: {watermark})"
+                    )
+                sub.close(
+                    ErrorType.WATERMARK_TOO_OLD,
+                    f"earliest supported watermark is {watermark} (requested {start})",
+                )
+                return
+            last = sub.catchup(_stored_changes(batch[skip:] if skip else batch))
+        if not found and not rows_seen:
+            log.info(
+                "subscriber %s at %s is ahead of the durable change log (%s)",
+                sub.id,
+                start,
+                up_to,
+            )
+        sub.set_caught_up()
 
     async def close_catchups(self) -> None:
         tasks = list(self._catchups)

@@ -16,6 +16,7 @@ from app.protocol.errors import ErrorType
 from app.protocol.lexi import to_lexi
 from app.server import transport as transport_module
 from app.server import ws_protocol as ws_protocol_module
+from app.streamer import forwarder as forwarder_module
 from app.streamer import subscriber as subscriber_module
 
 from .conftest import Server, start_server
@@ -117,8 +118,11 @@ async def test_stuck_subscribers_that_block_the_majority_are_dropped_after_the_g
             connect(f"{base}&id=no-acks") as no_acks,
             connect(f"{base}&id=no-reads", max_queue=1) as no_reads,
         ):
-            await good.recv()
-            await good.send('{"ack":1}')
+            # All three ack their status (a client that acks nothing at all is not
+            # waited for, and goes after FIRST_ACK_TIMEOUT_S); then two stop.
+            for ws in (good, no_acks, no_reads):
+                await ws.recv()
+                await ws.send('{"ack":1}')
             stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
             count = 150
             for n in range(2, 2 + count):
@@ -150,8 +154,9 @@ async def test_a_dropped_client_that_does_not_read_is_disconnected_and_its_bytes
             connect(f"{base}&id=good", max_size=None) as good,
             connect(f"{base}&id=no-reads", max_queue=1, max_size=None) as no_reads,
         ):
-            await good.recv()
-            await good.send('{"ack":1}')
+            for ws in (good, no_reads):  # both ack their status; one then stops reading
+                await ws.recv()
+                await ws.send('{"ack":1}')
             stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
             # Values far larger than the sockets' kernel buffers: what the client does
             # not read stays queued in the server process until it is disconnected.
@@ -176,12 +181,14 @@ def big_txn(w: str, value: str) -> list[list[object]]:
     return [begin, data, commit]
 
 
-async def test_a_sole_subscriber_that_never_acks_is_dropped_and_can_resume(
+async def test_a_sole_subscriber_that_stops_acking_is_dropped_and_can_resume(
     tmp_path: Path,
 ) -> None:
     async for server in start_server(tmp_path, slow_subscriber_grace_s=1.0):
         base = f"{server.url}/replication/v6/changes?replicaVersion=01&watermark=01"
         async with connect(f"{base}&id=alone") as alone:
+            await alone.recv()
+            await alone.send('{"ack":1}')  # its status; then it acks nothing more
             stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
             count = 150
             for n in range(2, 2 + count):
@@ -250,3 +257,30 @@ async def test_a_duplicate_or_skipping_ack_closes_the_stream(
         assert e.value.rcvd is not None
         assert e.value.rcvd.code == 1005  # a plain close once streaming began
         assert "closing stream: unexpected ack" in caplog.text
+
+
+async def test_a_client_that_acks_nothing_is_not_waited_for_and_goes_after_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(forwarder_module, "FIRST_ACK_TIMEOUT_S", 2.0)
+    async for server in start_server(tmp_path):
+        base = f"{server.url}/replication/v6/changes?replicaVersion=01&watermark=01"
+        async with (
+            connect(f"{base}&id=good") as good,
+            connect(f"{base}&id=silent", max_queue=1) as silent,
+        ):
+            await good.recv()
+            await good.send('{"ack":1}')
+            stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+            count = 150
+            for n in range(2, 2 + count):
+                stream.push_all(txn(to_lexi(n), 20))
+            # The default grace period is 30 s: the good one gets everything at once.
+            expected = [to_lexi(n) for n in range(2, 2 + count)]
+            assert await follow(good, expected[-1]) == expected
+            for _ in range(200):
+                if {s.id for s in server.service.forwarder.active} == {"good"}:
+                    break
+                await asyncio.sleep(0.05)
+            assert {s.id for s in server.service.forwarder.active} == {"good"}
+            del silent

@@ -303,9 +303,11 @@ async def test_an_upstream_ending_at_a_commit_checkpoint_sends_no_rollback(svc: 
     big = insert(1, pad="x" * pad)
     carried = commit_len + begin_len + len(dumps(big))  # after the first checkpoint
     assert carried < FLUSH_THRESHOLD <= carried + commit_len
-    ds = svc.subscribe(REPLICA_VERSION)  # it reads but never acks: the wait holds
+    # It acks its status (so flow control counts it), then reads but never acks
+    # again: the wait holds.
+    ds = svc.subscribe(REPLICA_VERSION)
     stream = await svc.stream()
-    await svc.live(ds, ack=False)
+    await svc.live(ds)
     stream.push_all([*txn("02", first), *txn("03", big)])
     received = ["status"]
     while len(received) < 7:
@@ -328,14 +330,14 @@ async def test_an_upstream_ending_at_a_commit_checkpoint_sends_no_rollback(svc: 
     assert received[7:] == ["begin", "data", "commit"]
 
 
-async def test_a_subscriber_that_never_acks_holds_the_loop_within_two_checkpoints(
+async def test_a_subscriber_that_stops_acking_holds_the_loop_within_two_checkpoints(
     svc: Service,
 ) -> None:
     row = insert(1, pad="x" * 1000)
     row_len = len(dumps(row))
-    ds = svc.subscribe(REPLICA_VERSION)  # reads, acks nothing yet
+    ds = svc.subscribe(REPLICA_VERSION)  # reads, acks its status, then nothing yet
     stream = await svc.stream()
-    await svc.live(ds, ack=False)
+    await svc.live(ds)
     stream.push_all(txn("02", *[row] * 200))  # ~3 checkpoints' worth
     for _ in range(1000):
         if svc.service.forwarder.current is not None:  # the loop waits
@@ -348,7 +350,7 @@ async def test_a_subscriber_that_never_acks_holds_the_loop_within_two_checkpoint
     forwarded = sum(len(t) for t in sent)  # the initial status was taken before
     # Pipelined one deep: the second checkpoint went out, the third did not.
     assert 2 * FLUSH_THRESHOLD - row_len <= forwarded < 2 * FLUSH_THRESHOLD + row_len
-    ds.ack_many(1 + len(sent))  # the initial status, then what was sent
+    ds.ack_many(len(sent))  # what was sent (the status was acked before)
     while len(sent) < 202:
         sent.append(await asyncio.wait_for(ds.get(), 10))
         ds.ack_next()
@@ -491,6 +493,8 @@ async def test_cleanup_purges_to_the_slowest_subscriber_after_30_s(svc: Service)
     stream.push_all([*txn("02"), *txn("03"), *txn("04")])
     await svc.durable("04")
     slow = svc.subscribe("03", id="slow")  # stays at 03: it never acks anything new
+    assert loads(await asyncio.wait_for(slow.get(), 10))[0] == "status"
+    slow.ack_next()  # (a subscriber that acks nothing at all is dropped after 10 s)
     await asyncio.sleep(0.05)
     svc.service.track_backup_watermark("04")
     assert svc.timers.pending().count(30.0) == 1  # (the 1 s progress tick is armed too)
@@ -724,3 +728,22 @@ async def test_the_loop_lag_monitor_keeps_the_worst_of_its_window() -> None:
 
 def hold_the_loop(seconds: float) -> None:
     time.sleep(seconds)
+
+
+async def test_a_subscriber_that_acks_nothing_does_not_hold_the_loop(svc: Service) -> None:
+    """Until its first ack (its status) flow control does not wait for a
+    subscriber: a crowd of clients that connect and never read cannot stall the
+    stream for those that do."""
+    row = insert(1, pad="x" * 1000)
+    silent = svc.subscribe(REPLICA_VERSION)
+    steady = svc.subscribe(REPLICA_VERSION)
+    stream = await svc.stream()
+    await svc.live(silent, ack=False)
+    await svc.live(steady)
+    stream.push_all(txn("02", *[row] * 200))  # ~3 checkpoints' worth
+    received = []
+    while len(received) < 202:
+        received.append(loads(await asyncio.wait_for(steady.get(), 10))[0])
+        steady.ack_next()
+    assert received[-1] == "commit"
+    await svc.durable("02")

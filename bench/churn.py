@@ -1,0 +1,273 @@
+"""Connection churn and floods against one steady subscriber, on real processes.
+
+    python -m bench.churn                          # 10 s per phase
+    python -m bench.churn --seconds 5 --rate 200 --flood 2000
+
+Starts ``changestreamer serve`` on its embedded demo source at a pace the service
+cannot keep (so the steady subscriber's receive rate is what the service gives it),
+subscribes one steady v6 subscriber that acks everything (``bench.pg_subscribers``'
+raw client, in this process), and measures its data changes per second:
+
+1. ``baseline`` — nothing else connected;
+2. ``churn`` — another process opens and closes ``--rate`` subscriptions a second
+   (each resumes at the log's head, as a reconnecting replica does, or with
+   ``--churn-from start`` at its start; reads its status message, then closes);
+3. ``flood`` — another process holds ``--flood`` connections open at once (beyond
+   ``CHANGESTREAMER_MAX_SUBSCRIBERS`` they are refused with a close), then closes
+   them all; the service's RSS (its process tree) before, with them open, and 5 s
+   after they closed.
+
+Loopback only; every process it starts is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.pg_e2e import free_port_block, process_tree, rss_kib
+from bench.pg_subscribers import RawSocket
+
+REPO = Path(__file__).resolve().parents[1]
+SERVE = REPO / ".venv" / "bin" / "changestreamer"
+
+
+def tree_rss_mib(pid: int) -> int:
+    return sum(rss_kib(p) for p in process_tree(pid)) // 1024
+
+
+async def steady_rate(port: int, replica_version: str, seconds: float, sink: list[float]) -> None:
+    """Follows the stream; appends (time, data changes so far) samples to ``sink``."""
+    path = (
+        f"/replication/v6/changes?id=steady&replicaVersion={replica_version}"
+        f"&watermark={replica_version}"
+    )
+    ws = await RawSocket.open(f"ws://127.0.0.1:{port}", path)
+    changes = 0
+    end = time.monotonic() + seconds
+    try:
+        async for count, _last in ws.ack_each():
+            changes += count
+            sink.append(time.monotonic())
+            sink.append(changes)
+            if time.monotonic() > end:
+                return
+    finally:
+        await ws.close()
+
+
+def statz_field(port: int, name: str) -> str:
+    url = f"http://127.0.0.1:{port}/statz?format=json&group=replication"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return str(json.loads(reply.read())["replication"][name])
+
+
+def statz_replica_version(port: int) -> str:
+    return statz_field(port, "replicaVersion")
+
+
+def window_rate(samples: list[float], start: float, end: float) -> float:
+    """Frames per second between ``start`` and ``end`` from the (time, count) pairs."""
+    pairs = list(zip(samples[::2], samples[1::2], strict=True))
+    inside = [(t, n) for t, n in pairs if start <= t <= end]
+    if len(inside) < 2:
+        return 0.0
+    (t0, n0), (t1, n1) = inside[0], inside[-1]
+    return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+CHURNER = """
+import asyncio, json, sys, time, urllib.request
+from bench.pg_subscribers import RawSocket
+port, rv, wm = int(sys.argv[1]), sys.argv[2], sys.argv[5]
+rate, seconds = float(sys.argv[3]), float(sys.argv[4])
+head = [wm]
+def durable():
+    url = f"http://127.0.0.1:{port}/statz?format=json&group=replication"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.loads(reply.read())["replication"]["durableWatermark"]
+async def follow_head():  # resume where a reconnecting replica would: near the head
+    while wm != rv:
+        head[0] = await asyncio.to_thread(durable)
+        await asyncio.sleep(0.5)
+async def one(i):
+    path = f"/replication/v6/changes?id=churn-{i}&replicaVersion={rv}&watermark={head[0]}"
+    try:
+        ws = await RawSocket.open(f"ws://127.0.0.1:{port}", path)
+        async for _ in ws.messages():
+            break
+        await ws.close()
+        return True
+    except Exception:
+        return False
+async def main():
+    follower = asyncio.create_task(follow_head())
+    start = time.monotonic(); tasks = []; i = 0
+    while time.monotonic() - start < seconds:
+        tasks.append(asyncio.create_task(one(i))); i += 1
+        await asyncio.sleep(1 / rate)
+    ok = sum(await asyncio.gather(*tasks))
+    follower.cancel()
+    print(i, ok, flush=True)
+asyncio.run(main())
+"""
+
+FLOODER = """
+import asyncio, sys
+from bench.pg_subscribers import RawSocket
+port, rv, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+async def main():
+    async def one(i):
+        path = f"/replication/v6/changes?id=flood-{i}&replicaVersion={rv}&watermark={rv}"
+        try:
+            return await RawSocket.open(f"ws://127.0.0.1:{port}", path)
+        except Exception:
+            return None
+    sockets = []
+    for start in range(0, n, 100):
+        sockets += await asyncio.gather(*(one(i) for i in range(start, min(n, start + 100))))
+    print(sum(s is not None for s in sockets), flush=True)
+    sys.stdin.readline()  # hold them until told
+    for s in sockets:
+        if s is not None:
+            await s.close()
+    print("closed", flush=True)
+asyncio.run(main())
+"""
+
+
+async def run(
+    port: int, proc: subprocess.Popen[bytes], args: argparse.Namespace
+) -> dict[str, object]:
+    replica_version = await asyncio.to_thread(statz_replica_version, port)
+    phase = args.seconds
+    samples: list[float] = []
+    steady = asyncio.create_task(steady_rate(port, replica_version, 3 * phase + 15, samples))
+    await asyncio.sleep(2)  # past the catch-up
+    t0 = time.monotonic()
+    await asyncio.sleep(phase)
+    baseline = window_rate(samples, t0, time.monotonic())
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # A reconnecting replica resumes near the head; "start" makes every one catch up
+    # on the whole log.
+    from_watermark = (
+        replica_version
+        if args.churn_from == "start"
+        else await asyncio.to_thread(statz_field, port, "durableWatermark")
+    )
+    churner = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        CHURNER,
+        str(port),
+        replica_version,
+        str(args.rate),
+        str(phase),
+        from_watermark,
+        env=env,
+        stdout=subprocess.PIPE,
+    )
+    t1 = time.monotonic()
+    out, _ = await churner.communicate()
+    churn = window_rate(samples, t1, time.monotonic())
+    opened, served = (int(x) for x in out.split())
+    rss_before = tree_rss_mib(proc.pid)
+    flooder = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        FLOODER,
+        str(port),
+        replica_version,
+        str(args.flood),
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert flooder.stdout is not None
+    assert flooder.stdin is not None
+    held = int(await flooder.stdout.readline())
+    rss_open = tree_rss_mib(proc.pid)
+    t2 = time.monotonic()
+    await asyncio.sleep(min(phase, 5))
+    flood = window_rate(samples, t2, time.monotonic())
+    flooder.stdin.write(b"\n")
+    await flooder.stdin.drain()
+    await flooder.stdout.readline()
+    await flooder.wait()
+    await asyncio.sleep(5)
+    rss_after = tree_rss_mib(proc.pid)
+    steady.cancel()
+    return {
+        "baseline_changes_per_s": round(baseline),
+        "churn_changes_per_s": round(churn),
+        "churn_ratio": round(churn / baseline, 3) if baseline else None,
+        "churn_connections": opened,
+        "churn_served": served,
+        "flood_connections_held": held,
+        "flood_changes_per_s": round(flood),
+        "rss_before_flood_mib": rss_before,
+        "rss_flood_open_mib": rss_open,
+        "rss_after_flood_mib": rss_after,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="per phase")
+    parser.add_argument("--rate", type=float, default=200.0, help="churn: connections a second")
+    parser.add_argument("--flood", type=int, default=2000, help="connections held at once")
+    parser.add_argument("--demo-rate", type=float, default=20000.0, help="demo transactions/s")
+    parser.add_argument(
+        "--churn-from",
+        choices=("head", "start"),
+        default="head",
+        help="where churning subscribers resume: the log's head, or its start",
+    )
+    args = parser.parse_args(argv)
+    port = free_port_block(1)
+    with tempfile.TemporaryDirectory(prefix="bch-") as work:
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("ZERO_")},
+            "NODE_ENV": "development",
+            "ZERO_CHANGE_STREAMER_STARTUP_DELAY_MS": "0",
+            "ZERO_REPLICA_FILE": f"{work}/replica.db",
+            "ZERO_LOG_LEVEL": "warn",
+            "CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND": str(args.demo_rate),
+        }
+        log = open(Path(work) / "serve.log", "wb")  # noqa: SIM115 (closed below)
+        proc = subprocess.Popen(
+            [str(SERVE), "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            for _ in range(600):
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            result = asyncio.run(run(port, proc, args))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
