@@ -15,7 +15,6 @@ names the variable, so start-up ends with a readable error.
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -36,6 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from app import speedups as speedups_module
+from app.protocol.canonical_json import loads
 from app.storage.engine import Shard, parse_change_db_url
 from app.storage.errors import ChangeDbConfigError
 from app.zero_settings import CATALOG, OUTSIDE_OPTIONS, OWN_EXTENSIONS, refusal, startup_notes
@@ -248,7 +248,7 @@ class Settings(BaseModel):
         if isinstance(value, str):
             text = value.strip()
             if text.startswith("["):
-                return json.loads(text)
+                return loads(text)  # ValueError, never RecursionError, for deep nesting
             return [p.strip() for p in text.split(",") if p.strip()]
         return value
 

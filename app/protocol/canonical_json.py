@@ -160,7 +160,12 @@ def dumps(value: Any) -> str:
         flags = _scan(out)
         if flags & _SCAN_FLOATS:
             # Let orjson write everything but the floats, which we format as JS does.
-            return orjson.dumps(_with_js_floats(value)).decode()
+            try:
+                return orjson.dumps(_with_js_floats(value)).decode()
+            except orjson.JSONEncodeError:
+                # At orjson's depth limit: the copy has lists where value had tuples,
+                # which orjson lets nest one level deeper.
+                return _dumps_slow(value)
         if flags & _SCAN_NULL and _may_hold_non_finite(value):
             _reject_non_finite(value)
         return out.decode()

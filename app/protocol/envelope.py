@@ -51,7 +51,14 @@ def quick_ack(text: str) -> int | None:
     """
     if text.startswith('{"ack":') and text.endswith("}"):
         digits = text[7:-1]
-        if digits.isascii() and digits.isdigit() and (digits == "0" or digits[0] != "0"):
+        # At most 20 digits (any 64-bit id): int() refuses runs past 4300 digits with a
+        # ValueError, which parse_ack's JSON path turns into an AckError.
+        if (
+            digits.isascii()
+            and digits.isdigit()
+            and len(digits) <= 20
+            and (digits == "0" or digits[0] != "0")
+        ):
             return int(digits)
     return None
 

@@ -51,7 +51,9 @@ _K = TypeVar("_K")
 
 # The "version" of the events our trigger emits; 2 (context-only ddlStart) is accepted.
 DDL_PROTOCOL_VERSION: Final = 1
-_ACCEPTED_VERSIONS: Final = frozenset({1, 2})
+# Tuples, not sets: an event's fields are any JSON, and a list is no member of a tuple
+# where it is unhashable (TypeError) for a set.
+_ACCEPTED_VERSIONS: Final = (1, 2)
 
 # pg_advisory_xact_lock key that serializes DDL statements (the reference's value, so
 # our triggers and a reference shard on the same database serialize together).
@@ -67,7 +69,7 @@ DDL_TAGS: Final = (
     "ALTER SCHEMA",
 )
 
-_EVENT_TYPES: Final = frozenset({"ddlStart", "ddlUpdate", "schemaSnapshot"})
+_EVENT_TYPES: Final = ("ddlStart", "ddlUpdate", "schemaSnapshot")  # a tuple: see above
 
 
 def _ident(name: str) -> str:
@@ -374,7 +376,7 @@ def _parse_event(event: dict[str, Any]) -> dict[str, Any]:
             parsed["previousSchema"] = with_replica_identity_columns(event["previousSchema"])
         elif "previousSchema" in event and event["type"] != "ddlStart":
             raise ValueError(f"{event['type']} event with a null previousSchema")
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # e.g. a table not an object
         raise DdlError(f"invalid ddl event: {e}", event) from e
     return parsed
 

@@ -211,9 +211,12 @@ def _days_from_civil(year: int, month: int, day: int) -> int:
     return era * 146097 + doe - 719468
 
 
-_DATE_RE: Final = re.compile(r"(\d{4,})-(\d\d)-(\d\d)( BC)?")
+# Years of at most 7 digits: Postgres' own end at 5874897 (dates) and 294276
+# (timestamps), and longer ones would overflow a double (or int()) instead of failing
+# as a PgValueError.
+_DATE_RE: Final = re.compile(r"(\d{4,7})-(\d\d)-(\d\d)( BC)?")
 _TIMESTAMP_RE: Final = re.compile(
-    r"(\d{4,})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?"
+    r"(\d{4,7})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?"
     r"(?:([+-])(\d\d?)(?::(\d\d))?(?::(\d\d))?)?( BC)?"
 )
 _TIME_RE: Final = re.compile(
