@@ -333,11 +333,14 @@ static PyObject *new_data(PyObject *b, PyObject *tag) {
     return data;
 }
 
+static PyObject *decode_at(const unsigned char *buf, Py_ssize_t size, PyObject *specs);
+
 /* decode(buffer, offset, specs) -> Data | None: the pgoutput message at
- * buffer[offset:]; specs maps relation OIDs to (json, names, parsers, kinds,
+ * buffer[offset:] (bytes, or any contiguous buffer: psycopg's memoryview of libpq's
+ * copy, read in place); specs maps relation OIDs to (json, names, parsers, kinds,
  * key_indexes). */
 static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyBytes_CheckExact(args[0]) || !PyLong_CheckExact(args[1]) ||
+    if (nargs != 3 || !PyObject_CheckBuffer(args[0]) || !PyLong_CheckExact(args[1]) ||
         !PyDict_CheckExact(args[2])) {
         PyErr_SetString(PyExc_TypeError, "decode(buffer: bytes, offset: int, specs: dict)");
         return NULL;
@@ -353,12 +356,22 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         return NULL;
     }
-    Py_ssize_t size = PyBytes_GET_SIZE(args[0]) - offset;
-    /* kind, relation OID, tuple marker */
-    if (size < 6) {
-        Py_RETURN_NONE;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
     }
-    const unsigned char *buf = (const unsigned char *)PyBytes_AS_STRING(args[0]) + offset;
+    PyObject *result;
+    if (view.len - offset < 6) { /* kind, relation OID, tuple marker */
+        result = Py_NewRef(Py_None);
+    } else {
+        result = decode_at((const unsigned char *)view.buf + offset, view.len - offset, args[2]);
+    }
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* The message of ``size`` bytes at ``buf`` (at least 6). */
+static PyObject *decode_at(const unsigned char *buf, Py_ssize_t size, PyObject *specs) {
     unsigned char kind = buf[0], marker = buf[5];
     if (kind != 'I' && kind != 'U' && kind != 'D') {
         Py_RETURN_NONE;
@@ -367,7 +380,7 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (oid == NULL) {
         return NULL;
     }
-    PyObject *spec = PyDict_GetItemWithError(args[2], oid); /* borrowed */
+    PyObject *spec = PyDict_GetItemWithError(specs, oid); /* borrowed */
     Py_DECREF(oid);
     if (spec == NULL) {
         if (PyErr_Occurred()) {

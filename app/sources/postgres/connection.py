@@ -97,15 +97,16 @@ class ReplicationConnection:
             raise StartReplicationError(None, f"START_REPLICATION did not stream (status {status})")
         self._streaming = True
 
-    async def read_frame(self, timeout_s: float) -> bytes | None:
-        """The next frame, or None when nothing arrived within ``timeout_s``."""
+    async def read_frame(self, timeout_s: float) -> memoryview | None:
+        """The next frame, or None when nothing arrived within ``timeout_s``: a view
+        of the copy libpq made of it (not copied again; it is freed with the view)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             if self._closed:
                 raise ReplicationStreamEnded(None, "the replication connection was closed")
             n, data = self._pg.get_copy_data(1)
             if n > 0:
-                return bytes(data)
+                return data
             if n < 0:
                 raise self._ended()
             remaining = deadline - asyncio.get_running_loop().time()

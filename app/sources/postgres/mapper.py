@@ -121,7 +121,7 @@ class ChangeMapper:
         """True when a column has a type the registry has not loaded (a new user type)."""
         return any(not self.registry.knows(c.type_oid) for c in rel.columns)
 
-    def map_row(self, buffer: bytes, offset: int) -> Data | None:
+    def map_row(self, buffer: bytes | memoryview, offset: int) -> Data | None:
         """The Data of the pgoutput row change (Insert, Update, Delete) at
         ``buffer[offset:]`` in one C call, or None: then :meth:`map` of
         :func:`decode_message` gives it (or says what is wrong), as it does for

@@ -253,7 +253,7 @@ class PostgresChangeStream(ChangeStream):
                 await self._swallow()
                 return
 
-    async def _frame_messages(self, frame: bytes) -> list[ChangeSourceMessage]:
+    async def _frame_messages(self, frame: memoryview) -> list[ChangeSourceMessage]:
         """The messages of one frame other than a row change (in stream order)."""
         copy = parse_copy_data(frame)
         if isinstance(copy, PrimaryKeepalive):
