@@ -352,7 +352,9 @@ class ChangeStreamerService:
                 return None
             self.acker.reset(stream.ack)
             storer_task = asyncio.create_task(self.storer.run(), name="storer")
-            self._backoff.reset()
+            # The retry delay starts over once a commit of this stream is durable
+            # (_on_durable), not when the stream opens: a stream that opens and then
+            # fails at once, every time (a full disk), must back off.
             await self._consume(stream, storer_task)
         except Exception as e:  # classified by the caller
             error = e
@@ -633,6 +635,7 @@ class ChangeStreamerService:
         return self.reservations.open(task_id)
 
     def _on_durable(self, watermark: str) -> None:
+        self._backoff.reset()  # progress
         self._durable_at.append((watermark, self._timers.monotonic()))
         if self._commit_clock is not None:
             self._commit_clock.record(watermark)

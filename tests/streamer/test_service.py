@@ -747,3 +747,18 @@ async def test_a_subscriber_that_acks_nothing_does_not_hold_the_loop(svc: Servic
         steady.ack_next()
     assert received[-1] == "commit"
     await svc.durable("02")
+
+
+async def test_streams_that_fail_before_storing_anything_back_off(svc: Service) -> None:
+    """The retry delay starts over after durable progress, not when a stream opens:
+    one that opens and fails at once every time (a full disk) backs off."""
+    backoff = svc.service._backoff
+    for n in range(1, 4):
+        stream = await svc.stream(n)
+        stream.fail(ConnectionError("disk full, say"))
+    await svc.stream(4)
+    assert backoff._next_s > backoff._initial_s  # grown: three failures, no progress
+    stream = await svc.stream(4)
+    stream.push_all(txn("02"))
+    await svc.durable("02")
+    assert backoff._next_s == backoff._initial_s
