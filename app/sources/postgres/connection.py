@@ -97,6 +97,10 @@ class ReplicationConnection:
             raise StartReplicationError(None, f"START_REPLICATION did not stream (status {status})")
         self._streaming = True
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def read_frame(self, timeout_s: float) -> memoryview | None:
         """The next frame, or None when nothing arrived within ``timeout_s``: a view
         of the copy libpq made of it (not copied again; it is freed with the view)."""
@@ -113,6 +117,19 @@ class ReplicationConnection:
             if remaining <= 0:
                 return None
             if not await self._wait_io(readable=True, timeout_s=remaining):
+                if self.closed:  # (an attribute read here, after the await)
+                    return None
+                # Nothing woke us: read what the socket holds anyway, so a missed
+                # wake-up costs one poll interval, not the stream.
+                try:
+                    self._pg.consume_input()
+                except psycopg.Error as e:
+                    raise ReplicationStreamEnded(None, f"replication connection lost: {e}") from e
+                n, data = self._pg.get_copy_data(1)
+                if n > 0:
+                    return data
+                if n < 0:
+                    raise self._ended()
                 return None
             try:
                 self._pg.consume_input()
@@ -142,6 +159,14 @@ class ReplicationConnection:
             if not waiter.done():
                 waiter.set_result(None)
         if not self._conn.closed:
+            # Unregister the socket from the loop *before* it is closed: a waiter
+            # woken above would only unregister it after the close, and the loop
+            # (uvloop) must not be left watching a closed descriptor whose number
+            # the next connection may get.
+            loop = asyncio.get_running_loop()
+            fd = self._pg.socket
+            loop.remove_reader(fd)
+            loop.remove_writer(fd)
             # close() on a COPY_BOTH connection just drops the socket; the server
             # ends the walsender, which releases the slot.
             await self._conn.close()
@@ -181,7 +206,8 @@ class ReplicationConnection:
             return False
         finally:
             self._waiters.discard(fut)
-            if readable:
-                loop.remove_reader(fd)
-            else:
-                loop.remove_writer(fd)
+            if not self._closed:  # close() unregistered it already
+                if readable:
+                    loop.remove_reader(fd)
+                else:
+                    loop.remove_writer(fd)
