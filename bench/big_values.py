@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -35,10 +33,9 @@ from pathlib import Path
 import psycopg
 from websockets.asyncio.client import ClientConnection, connect
 
-from bench.pg_e2e import PG, admin, drop_slots, free_port_block, process_tree, rss_kib
+from bench.pg_e2e import PG, admin, drop_slots, process_tree, rss_kib
+from bench.serve import running_serve
 
-REPO = Path(__file__).resolve().parents[1]
-SERVE = REPO / ".venv" / "bin" / "changestreamer"
 UPSTREAM = "bbv_upstream"
 APP_ID = "bbv"
 
@@ -159,41 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     admin(f"CREATE DATABASE {UPSTREAM}")
     with psycopg.connect(f"{PG}/{UPSTREAM}", autocommit=True) as conn:
         conn.execute(b"CREATE TABLE big (id int PRIMARY KEY, v text)")
-    port = free_port_block(1)
-    with tempfile.TemporaryDirectory(prefix="bbv-") as work:
-        env = {
-            **os.environ,
-            "NODE_ENV": "development",
-            "ZERO_CHANGE_STREAMER_STARTUP_DELAY_MS": "0",
-            "ZERO_UPSTREAM_DB": f"{PG}/{UPSTREAM}",
-            "ZERO_APP_ID": APP_ID,
-            "ZERO_REPLICA_FILE": f"{work}/replica.db",
-            "ZERO_LOG_LEVEL": "warn",
-        }
-        log = open(Path(work) / "serve.log", "wb")  # noqa: SIM115 (closed below)
-        proc = subprocess.Popen(
-            [str(SERVE), "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            for _ in range(600):
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.1)
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="bbv-") as work,
+            running_serve(
+                Path(work), {"ZERO_UPSTREAM_DB": f"{PG}/{UPSTREAM}", "ZERO_APP_ID": APP_ID}
+            ) as (proc, port),
+        ):
             points = asyncio.run(measure(proc, port, sizes, repeats))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
-            drop_slots(APP_ID)
-            admin(f"DROP DATABASE IF EXISTS {UPSTREAM} WITH (FORCE)")
+    finally:
+        drop_slots(APP_ID)
+        admin(f"DROP DATABASE IF EXISTS {UPSTREAM} WITH (FORCE)")
     print(report(points))
     return 0
 

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,11 +33,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.pg_e2e import free_port_block, process_tree, rss_kib
+from bench.pg_e2e import process_tree, rss_kib
 from bench.pg_subscribers import RawSocket
+from bench.serve import running_serve
 
 REPO = Path(__file__).resolve().parents[1]
-SERVE = REPO / ".venv" / "bin" / "changestreamer"
 
 
 def tree_rss_mib(pid: int) -> int:
@@ -233,38 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         help="where churning subscribers resume: the log's head, or its start",
     )
     args = parser.parse_args(argv)
-    port = free_port_block(1)
-    with tempfile.TemporaryDirectory(prefix="bch-") as work:
-        env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("ZERO_")},
-            "NODE_ENV": "development",
-            "ZERO_CHANGE_STREAMER_STARTUP_DELAY_MS": "0",
-            "ZERO_REPLICA_FILE": f"{work}/replica.db",
-            "ZERO_LOG_LEVEL": "warn",
-            "CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND": str(args.demo_rate),
-        }
-        log = open(Path(work) / "serve.log", "wb")  # noqa: SIM115 (closed below)
-        proc = subprocess.Popen(
-            [str(SERVE), "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            for _ in range(600):
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.1)
-            result = asyncio.run(run(port, proc, args))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+    demo = {"CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND": str(args.demo_rate)}
+    with (
+        tempfile.TemporaryDirectory(prefix="bch-") as work,
+        running_serve(Path(work), demo) as (proc, port),
+    ):
+        result = asyncio.run(run(port, proc, args))
     print(json.dumps(result, indent=1))
     return 0
 

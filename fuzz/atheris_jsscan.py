@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import importlib
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import atheris  # type: ignore[import-untyped]
+from _main import fuzz  # fuzz/, the script's own directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -95,15 +95,5 @@ def check_value(value: Any) -> None:
         raise AssertionError(f"{text!r} does not read back to itself")
 
 
-def main() -> None:
-    argv = list(sys.argv)
-    if not any(a.startswith("-artifact_prefix=") for a in argv):
-        where = Path(tempfile.gettempdir()) / "changestreamer-fuzz" / "jsscan"
-        where.mkdir(parents=True, exist_ok=True)
-        argv.append(f"-artifact_prefix={where}/")
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
-
-
 if __name__ == "__main__":
-    main()
+    fuzz("jsscan", test_one_input)

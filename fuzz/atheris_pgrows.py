@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import struct
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import atheris  # type: ignore[import-untyped]
+from _main import fuzz  # fuzz/, the script's own directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -110,15 +110,5 @@ def test_one_input(data: bytes) -> None:
         raise AssertionError(f"map_row({payload!r}): C {got!r}, Python {expected!r}")
 
 
-def main() -> None:
-    argv = list(sys.argv)
-    if not any(a.startswith("-artifact_prefix=") for a in argv):
-        where = Path(tempfile.gettempdir()) / "changestreamer-fuzz" / "pgrows"
-        where.mkdir(parents=True, exist_ok=True)
-        argv.append(f"-artifact_prefix={where}/")
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
-
-
 if __name__ == "__main__":
-    main()
+    fuzz("pgrows", test_one_input)

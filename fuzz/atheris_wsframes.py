@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import importlib
 import sys
-import tempfile
 from pathlib import Path
 
 import atheris  # type: ignore[import-untyped]
+from _main import fuzz  # fuzz/, the script's own directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,15 +56,5 @@ def test_one_input(data: bytes) -> None:
         raise AssertionError(f"ack_ids({data!r}) = {expected!r} but client_texts = {texts!r}")
 
 
-def main() -> None:
-    argv = list(sys.argv)
-    if not any(a.startswith("-artifact_prefix=") for a in argv):
-        where = Path(tempfile.gettempdir()) / "changestreamer-fuzz" / "wsframes"
-        where.mkdir(parents=True, exist_ok=True)
-        argv.append(f"-artifact_prefix={where}/")
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
-
-
 if __name__ == "__main__":
-    main()
+    fuzz("wsframes", test_one_input)
