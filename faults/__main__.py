@@ -26,6 +26,9 @@ SHORT_FAULTS = {
     "disk_full": 3,
     "litestream_killed": 5,
     "change_db_garbage": 5,
+    "litestream_unwritable": 5,
+    # Each holds serve stopped for 5 s.
+    "pause": 10,
     # Each waits for the server's 10 s no-ack drop.
     "stalled_subscriber": 10,
     "stalled_in_catchup": 10,

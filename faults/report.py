@@ -67,6 +67,12 @@ def markdown(results: Sequence[FaultResult], seed: int) -> str:
                 f"  * faulty subscriber gone from `changestreamer_subscribers` after "
                 f"{min(r.drops):.1f}–{max(r.drops):.1f} s"
             )
+        if r.backup_catch_ups:
+            lines.append(
+                f"  * backup caught up (`changestreamer_backup_lag_seconds` < 2) "
+                f"{min(r.backup_catch_ups):.1f}–{max(r.backup_catch_ups):.1f} s after "
+                "the destination was writable again"
+            )
         if r.log_line:
             lines.append(f"  * log: `{r.log_line[:300]}`")
         for metric in r.metrics[:6]:

@@ -63,6 +63,8 @@ class FaultResult:
     recoveries: list[float] = field(default_factory=list)
     # Seconds from a faulty subscriber's connect until the server had dropped it.
     drops: list[float] = field(default_factory=list)
+    # Seconds from a backup destination writable again until the backup caught up.
+    backup_catch_ups: list[float] = field(default_factory=list)
     ready: Counter[str] = field(default_factory=Counter)
     metrics: list[str] = field(default_factory=list)
     log_line: str = ""
@@ -593,6 +595,162 @@ async def postgres_restart(env: Environment, result: FaultResult, iterations: in
     result.log_line = _first_log_line(env.serve, r"change stream failed \(connection failed")
 
 
+# Steps of the wall clock (CLOCK_REALTIME), seconds from true time, as an NTP step or
+# an operator's ``date -s`` makes them; the monotonic clock runs on undisturbed.
+CLOCK_OFFSETS = (3600, -3600, 86400, -86400, 300, -300)
+# After each step, how long to keep watching for a late effect (a timer that fires
+# on the wrong clock would drop a follower within a grace period or so).
+CLOCK_SETTLE_S = GRACE_S + 1.0
+
+
+def faketime_library() -> Path | None:
+    """libfaketime's shared object (Debian's ``faketime`` package), if installed."""
+    for found in sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1")):
+        return found
+    return None
+
+
+def _set_clock_offset(path: Path, offset_s: int) -> None:
+    """The offset libfaketime reads at every clock call (``FAKETIME_NO_CACHE``),
+    replaced atomically so that no call reads a half-written file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{offset_s:+d}\n")
+    tmp.replace(path)
+
+
+def _connections(env: Environment) -> int:
+    return sum(f.connections for f in env.followers)
+
+
+def _no_reconnects(env: Environment, result: FaultResult, before: int, what: str) -> None:
+    """A healthy follower must never be dropped because of the fault."""
+    again = _connections(env) - before
+    if again:
+        ends = [e for f in env.followers for e in f.ends[-2:]]
+        result.fault_problems.append(f"{what}: followers reconnected {again} time(s) ({ends})")
+
+
+async def clock_jump(env: Environment, result: FaultResult, iterations: int) -> None:
+    """The wall clock of serve's whole tree steps by minutes, hours or a day, forward
+    and back (libfaketime, ``CLOCK_REALTIME`` only); every other step returns it to
+    true time. Nothing may drop, stall or go unready."""
+    clock_file = _clock_file(env.serve.workdir)
+    offset = 0
+    for _ in range(iterations):
+        await env.load()
+        new = 0 if offset else env.rng.choice(CLOCK_OFFSETS)
+        before = _connections(env)
+        async with ReadyWatch(env.serve, result.ready):
+            t0 = time.monotonic()
+            _set_clock_offset(clock_file, new)
+            result.recoveries.append(await env.recovery_since(t0))
+            await _wait_for_async(
+                partial(_serve_clock_is, env, new), f"serve's clock at {new:+d} s", 30
+            )
+            await asyncio.sleep(CLOCK_SETTLE_S)
+        result.notes[f"wall clock stepped {new - offset:+d} s"] += 1
+        _no_reconnects(env, result, before, f"clock step {new - offset:+d} s")
+        offset = new
+        result.iterations += 1
+    result.metrics = env.serve.metrics(
+        r"changestreamer_(backup_wedged|backup_lag_seconds|backup_write_lag|lag_seconds)"
+    )
+    result.log_line = _first_log_line(env.serve, r"backup|clock") or ""
+
+
+async def _serve_clock_is(env: Environment, offset_s: int) -> bool:
+    """True once serve's own wall clock is ``offset_s`` from Postgres' (±30 s), read
+    from the time serve stamps on its standby status updates (``reply_time``)."""
+    rows = await pg_rows(
+        PG_URL,
+        "SELECT extract(epoch FROM r.reply_time - now()) FROM pg_stat_replication r "
+        "JOIN pg_replication_slots s ON s.active_pid = r.pid "
+        f"WHERE s.slot_name LIKE '{APP_ID}\\_0\\_%%' AND s.database = %s",
+        (env.db_name,),
+    )
+    return any(abs(float(skew) - offset_s) < 30 for (skew,) in rows if skew is not None)
+
+
+# Longer than the grace period and the first-ack window's slack, shorter than a
+# client's ping timeout: every timer of serve is due at once when it resumes.
+PAUSE_S = 2 * GRACE_S + 1.0
+
+
+async def pause(env: Environment, result: FaultResult, iterations: int) -> None:
+    """SIGSTOP serve for :data:`PAUSE_S`, then SIGCONT (a VM or container freeze, a
+    long stall): to serve the monotonic clock jumps forward by that much, and every
+    timer fires together with the acks that waited in its sockets."""
+    serve = env.serve
+    assert serve.proc is not None
+    for _ in range(iterations):
+        await env.load()
+        before = _connections(env)
+        async with ReadyWatch(serve, result.ready):
+            t0 = time.monotonic()
+            serve.proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(PAUSE_S)
+            serve.proc.send_signal(signal.SIGCONT)
+            resumed = time.monotonic()
+            result.recoveries.append(await env.recovery_since(t0, resumed) - (resumed - t0))
+            await asyncio.sleep(CLOCK_SETTLE_S)
+        result.notes[f"paused {PAUSE_S:.0f} s"] += 1
+        _no_reconnects(env, result, before, "pause")
+        result.iterations += 1
+    result.metrics = serve.metrics(r"changestreamer_(subscribers|flow_control_waits)")
+    result.log_line = _first_log_line(serve, r"dropping subscriber|held up") or ""
+
+
+# How long the backup destination stays read-only each time.
+UNWRITABLE_S = 10.0
+BACKUP_CAUGHT_UP_S = 2.0
+
+
+def _remount(where: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(where)], check=True, capture_output=True)
+
+
+def _backup_lag(serve: Serve) -> float | None:
+    lines = serve.metrics(r"^changestreamer_backup_lag_seconds ")
+    return float(lines[0].split()[-1]) if lines else None
+
+
+async def litestream_unwritable(env: Environment, result: FaultResult, iterations: int) -> None:
+    """The backup destination (a tmpfs) remounted read-only for :data:`UNWRITABLE_S`
+    while the writer commits, then writable again: streaming must not notice, and the
+    backup must catch up by itself."""
+    serve = env.serve
+    backup = _backup_dir(serve.workdir)
+    for _ in range(iterations):
+        await env.load()
+        await _wait_for(lambda: _litestream(serve), "a litestream child", 60)
+        async with ReadyWatch(serve, result.ready):
+            t0 = time.monotonic()
+            await asyncio.to_thread(_remount, backup, "ro")
+            try:
+                result.recoveries.append(await env.recovery_since(t0))
+                await asyncio.sleep(UNWRITABLE_S)
+                lag = await asyncio.to_thread(_backup_lag, serve)
+                result.notes[f"backup lag while read-only {_bucket(lag)}"] += 1
+            finally:
+                await asyncio.to_thread(_remount, backup, "rw")
+            writable = time.monotonic()
+            await _wait_for(
+                lambda: (_backup_lag(serve) or 0.0) < BACKUP_CAUGHT_UP_S or None,
+                "the backup to catch up",
+                RECOVERY_TIMEOUT_S,
+            )
+            result.backup_catch_ups.append(time.monotonic() - writable)
+        result.iterations += 1
+    result.metrics = serve.metrics(r"changestreamer_backup")
+    result.log_line = _first_log_line(serve, r"litestream.*(read-only|error|ERROR)") or ""
+
+
+def _bucket(lag: float | None) -> str:
+    if lag is None:
+        return "unknown"
+    return f"≥ {int(lag // 5) * 5} s"
+
+
 FAULTS: dict[str, Callable[[Environment, FaultResult, int], Awaitable[None]]] = {
     "sigkill": sigkill,
     "walsender": walsender,
@@ -604,6 +762,9 @@ FAULTS: dict[str, Callable[[Environment, FaultResult, int], Awaitable[None]]] = 
     "litestream_killed": litestream_killed,
     "disk_full": disk_full,
     "postgres_restart": postgres_restart,
+    "clock_jump": clock_jump,
+    "pause": pause,
+    "litestream_unwritable": litestream_unwritable,
 }
 FAST = (
     "sigkill",
@@ -613,19 +774,29 @@ FAST = (
     "wrong_ack",
     "flood",
     "change_db_garbage",
+    "clock_jump",
+    "pause",
 )
 FULL_ONLY = ("postgres_restart",)
 
 
-def _extra_env(fault: str, workdir: Path) -> dict[str, str]:
-    if fault != "litestream_killed":
-        return {}
-    if (
-        shutil.which("litestream") is None
-        and not (Path(__file__).resolve().parents[1] / ".venv" / "bin" / "litestream").exists()
-    ):
-        return {}
-    backup = workdir / "backup"
+def _litestream_binary() -> bool:
+    return (
+        shutil.which("litestream") is not None
+        or (Path(__file__).resolve().parents[1] / ".venv" / "bin" / "litestream").exists()
+    )
+
+
+def _backup_dir(workdir: Path) -> Path:
+    return workdir / "backup"
+
+
+def _clock_file(workdir: Path) -> Path:
+    return workdir / "faketime"
+
+
+def _litestream_env(workdir: Path) -> dict[str, str]:
+    backup = _backup_dir(workdir)
     backup.mkdir(parents=True, exist_ok=True)
     return {
         "ZERO_LITESTREAM_BACKUP_URL": f"file://{backup}",
@@ -634,6 +805,43 @@ def _extra_env(fault: str, workdir: Path) -> dict[str, str]:
         "ZERO_LITESTREAM_LOG_LEVEL": "info",
         "ZERO_TASK_ID": "flt-rm",
     }
+
+
+def _prepare(
+    fault: str, where: Path, stack: contextlib.ExitStack
+) -> tuple[dict[str, str], Path | None] | str:
+    """The fault's extra settings and data directory, or why it cannot run here."""
+    needs_root = fault in ("disk_full", "litestream_unwritable")
+    uses_litestream = fault in ("litestream_killed", "litestream_unwritable", "clock_jump")
+    if uses_litestream and not _litestream_binary():
+        return "no litestream binary"
+    if needs_root and os.geteuid() != 0:
+        return "needs root (to mount a tmpfs)"
+    if fault == "disk_full":
+        data_dir = where / "data"
+        if not stack.enter_context(_tmpfs(data_dir)):
+            return "cannot mount a tmpfs"
+        return {}, data_dir
+    if fault == "litestream_unwritable":
+        if not stack.enter_context(_tmpfs(_backup_dir(where), "64m")):
+            return "cannot mount a tmpfs"
+        return _litestream_env(where), None
+    if fault == "litestream_killed":
+        return _litestream_env(where), None
+    if fault == "clock_jump":
+        library = faketime_library()
+        if library is None:
+            return "no libfaketime (Debian package faketime)"
+        where.mkdir(parents=True, exist_ok=True)
+        _set_clock_offset(_clock_file(where), 0)
+        return {
+            **_litestream_env(where),
+            "LD_PRELOAD": str(library),
+            "FAKETIME_TIMESTAMP_FILE": str(_clock_file(where)),
+            "FAKETIME_NO_CACHE": "1",
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        }, None
+    return {}, None
 
 
 async def run_fault(
@@ -645,16 +853,11 @@ async def run_fault(
     with contextlib.ExitStack() as stack:
         where = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flt_")))
         where = where / fault
-        env_extra = _extra_env(fault, where)
-        if fault == "litestream_killed" and not env_extra:
-            result.skipped = "no litestream binary"
+        prepared = _prepare(fault, where, stack)
+        if isinstance(prepared, str):
+            result.skipped = prepared
             return result
-        data_dir = None
-        if fault == "disk_full":
-            data_dir = where / "data"
-            if not stack.enter_context(_tmpfs(data_dir)):
-                result.skipped = "cannot mount a tmpfs (needs root)"
-                return result
+        env_extra, data_dir = prepared
         async with environment(fault, seed, where, env_extra, data_dir) as env:
             try:
                 await FAULTS[fault](env, result, iterations)
