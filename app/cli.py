@@ -37,6 +37,7 @@ from app.runtime.backups import (
     start_backups,
 )
 from app.runtime.gc_tuning import before_exit, tune_for_streaming
+from app.runtime.memory import return_large_frees
 from app.runtime.options import streamer_options, task_id
 from app.runtime.postgres import (
     PreparedUpstream,
@@ -279,7 +280,9 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         ws=LivenessProtocol.with_queue_limit(settings.subscriber_max_queued_bytes),
         # httptools, with bounds on requests still arriving (app/server/http_protocol.py).
         http=GuardedHttpProtocol.with_limits(
-            settings.max_pending_handshakes, settings.handshake_timeout_s
+            settings.max_pending_handshakes,
+            settings.handshake_timeout_s,
+            settings.max_handshakes_per_s,
         ),
         # Pings at most every 30 s (zero's clients drop a silent socket after 33 s);
         # a generous pong timeout, since a busy replica may answer late.
@@ -291,6 +294,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     limit_lines()  # after uvicorn configured its loggers (Config does)
     server = uvicorn.Server(config)
     tune_for_streaming()
+    return_large_frees()
     try:
         server.run()
     finally:

@@ -124,6 +124,13 @@ class Settings(BaseModel):
     handshake_timeout_s: FiniteFloat = Field(
         10, gt=0, validation_alias=_env("CHANGESTREAMER_HANDSHAKE_TIMEOUT_SECONDS")
     )
+    # Websocket handshakes (new streams) proceed at most this many a second, bursts of
+    # one second's worth; the rest wait their turn (at most the pending bound of them,
+    # each at most the handshake timeout, else 503), so churn cannot starve the
+    # subscribers already streaming (app/server/admission.py).
+    max_handshakes_per_s: FiniteFloat = Field(
+        50, gt=0, validation_alias=_env("CHANGESTREAMER_MAX_HANDSHAKES_PER_SECOND")
+    )
     admin_password: str | None = Field(None, validation_alias=_env("ZERO_ADMIN_PASSWORD"))
     operator_password: str | None = Field(None, validation_alias=_env("ZERO_OPERATOR_PASSWORD"))
     node_env: str | None = Field(None, validation_alias=_env("NODE_ENV"))

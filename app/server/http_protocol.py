@@ -14,9 +14,14 @@ grow before the client hears why it was refused. Here:
 * a request line longer than ``MAX_REQUEST_LINE_BYTES`` is answered ``414`` and a
   request head larger than ``MAX_REQUEST_HEAD_BYTES`` ``431``, before the parser
   or the websocket handshake sees it, and the client receives the answer (uvicorn
-  logged a 414 that the websocket path never sent: the client hung).
+  logged a 414 that the websocket path never sent: the client hung);
+* websocket handshakes proceed at most ``handshakes_per_s`` a second, in arrival
+  order (``admission.py``); one held longer than ``timeout_s``, or beyond
+  ``max_pending`` held at once, is answered ``503``.
 
-Each refusal is one INFO log line with the client's address. Like
+Refusals are logged at INFO with the client's address: the first of each status
+at once, the rest as one summary line per ``REFUSAL_LOG_INTERVAL_S`` (a flood of
+refused connections must not become a flood of log lines). Like
 ``ws_protocol.py``, this subclasses an uvicorn implementation class; the
 pinned uvicorn range is tested.
 """
@@ -25,10 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app.server.admission import HandshakeAdmission
 
 __all__ = [
     "MAX_REQUEST_HEAD_BYTES",
@@ -52,22 +61,64 @@ _REASONS: Final = {
 }
 
 
+REFUSAL_LOG_INTERVAL_S: Final = 10.0
+
+
+class _RefusalLog:
+    """The first refusal of each status logged at once; later ones counted and
+    logged as one line when the interval has passed (at the next refusal)."""
+
+    def __init__(self) -> None:
+        self._logged: set[int] = set()
+        self._counts: Counter[int] = Counter()
+        self._since = time.monotonic()
+
+    def refused(self, status: int, client: str, why: str) -> None:
+        if status not in self._logged:
+            self._logged.add(status)
+            log.info("refused a connection from %s: %d (%s)", client, status, why)
+            return
+        self._counts[status] += 1
+        now = time.monotonic()
+        if now - self._since >= REFUSAL_LOG_INTERVAL_S:
+            counts = ", ".join(f"{n} × {code}" for code, n in sorted(self._counts.items()))
+            log.info(
+                "refused %s more connections in %.0f s (last from %s: %d, %s)",
+                counts,
+                now - self._since,
+                client,
+                status,
+                why,
+            )
+            self._counts.clear()
+            self._since = now
+
+
 @dataclass
 class PendingLimits:
     """The bounds, and the count of pending connections they share (one per server)."""
 
     max_pending: int
     timeout_s: float
+    admission: HandshakeAdmission
     pending: int = 0
+    refusals: _RefusalLog = field(default_factory=_RefusalLog)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
     limits: PendingLimits  # set per server by ``with_limits``
 
     @classmethod
-    def with_limits(cls, max_pending: int, timeout_s: float) -> type[GuardedHttpProtocol]:
-        """This protocol with its own count of pending connections."""
-        return type(cls.__name__, (cls,), {"limits": PendingLimits(max_pending, timeout_s)})
+    def with_limits(
+        cls, max_pending: int, timeout_s: float, handshakes_per_s: float
+    ) -> type[GuardedHttpProtocol]:
+        """This protocol with its own count of pending connections, and its own
+        admission of websocket handshakes (bursts of one second's worth)."""
+        admission = HandshakeAdmission(
+            handshakes_per_s, max(1.0, handshakes_per_s), max_waiting=max_pending
+        )
+        limits = PendingLimits(max_pending, timeout_s, admission)
+        return type(cls.__name__, (cls,), {"limits": limits})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -76,6 +127,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._line_done = False
         self._deadline: asyncio.TimerHandle | None = None
+        self._held = False  # a websocket handshake waiting for its turn
+        self._hold_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -86,6 +139,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end_pending()
+        self._end_hold()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -111,6 +165,33 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._end_pending()
         super().on_headers_complete()
 
+    def handle_websocket_upgrade(self) -> None:
+        """The handshake proceeds when admission lets it (at once, within the rate)."""
+        admission = self.limits.admission
+        self._held = True
+        if not admission.offer(self):
+            self._held = False
+            self._refuse(503, f"more than {admission.max_waiting} websocket handshakes are waiting")
+            return
+        if self._held:  # not admitted at once: read nothing until its turn
+            self.transport.pause_reading()
+            self._hold_deadline = self.loop.call_later(self.limits.timeout_s, self._held_too_long)
+
+    # -- admission.Waiter ---------------------------------------------------
+
+    @property
+    def waiting(self) -> bool:
+        return self._held
+
+    def admitted(self) -> None:
+        paused = self._hold_deadline is not None
+        self._end_hold()
+        if self.transport.is_closing():
+            return
+        if paused:
+            self.transport.resume_reading()
+        super().handle_websocket_upgrade()
+
     # -- internals ----------------------------------------------------------
 
     def _begin_pending(self) -> None:
@@ -131,6 +212,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._deadline.cancel()
             self._deadline = None
 
+    def _end_hold(self) -> None:
+        self._held = False
+        if self._hold_deadline is not None:
+            self._hold_deadline.cancel()
+            self._hold_deadline = None
+
+    def _held_too_long(self) -> None:
+        self._hold_deadline = None
+        if self._held:
+            self._end_hold()
+            self._refuse(503, f"no websocket handshake slot within {self.limits.timeout_s:g} s")
+
     def _timed_out(self) -> None:
         self._deadline = None
         if self._pending and not self._answered:
@@ -141,7 +234,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._answered = True
         self._end_pending()
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-        log.info("refused a connection from %s: %d (%s)", client, status, why)
+        self.limits.refusals.refused(status, client, why)
         body = why.encode()
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"

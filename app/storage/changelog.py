@@ -138,31 +138,39 @@ class ChangeLog:
         up_to: str,
         *,
         batch_size: int = DEFAULT_READ_BATCH,
+        first_batch: int | None = None,
     ) -> AsyncIterator[list[StoredRow]]:
         """Rows with ``from_watermark <= watermark <= up_to`` in ``(watermark, pos)`` order.
 
         Rows are ``(watermark, pos, change, precommit)`` tuples.
         Yields batches of at most ``batch_size`` rows, each read in its own short
-        snapshot (long SQLite readers would stall WAL checkpoints). Rows at or below
-        ``up_to`` are immutable once committed, so batches join up exactly as long
-        as no purge removes rows above ``from_watermark`` meanwhile; the purge floor
-        (at most every reader's watermark) guarantees that.
+        snapshot (long SQLite readers would stall WAL checkpoints). With
+        ``first_batch`` the first batch has that many rows and each next one twice
+        as many, up to ``batch_size``: a reader that stops early (a subscriber that
+        leaves right after subscribing) costs little, and the first rows come soon.
+        Rows at or below ``up_to`` are immutable once committed, so batches join up
+        exactly as long as no purge removes rows above ``from_watermark`` meanwhile;
+        the purge floor (at most every reader's watermark) guarantees that.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if first_batch is not None and first_batch < 1:
+            raise ValueError(f"first_batch must be at least 1, got {first_batch}")
+        size = min(batch_size, first_batch or batch_size)
         after: tuple[str, int] | None = None
         while True:
             async with self._db.reader.connect() as conn:
                 if after is None:
-                    rows = await self._fast.read_first(conn, from_watermark, up_to, batch_size)
+                    rows = await self._fast.read_first(conn, from_watermark, up_to, size)
                 else:
-                    rows = await self._fast.read_next(conn, after, up_to, batch_size)
+                    rows = await self._fast.read_next(conn, after, up_to, size)
             if not rows:
                 return
             yield rows
-            if len(rows) < batch_size:
+            if len(rows) < size:
                 return
             after = (rows[-1][0], rows[-1][1])
+            size = min(batch_size, size * 2)
 
     async def min_watermark(self) -> str | None:
         async with self._db.reader.connect() as conn:

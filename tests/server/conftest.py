@@ -76,6 +76,7 @@ async def start_server(
     *,
     max_pending: int = 256,
     handshake_timeout_s: float = 10.0,
+    handshakes_per_s: float = 50.0,
     **options: Any,
 ) -> AsyncIterator[Server]:
     """The service behind uvicorn with the protocols (and their bounds) `serve` uses."""
@@ -90,7 +91,7 @@ async def start_server(
         log_level="warning",
         ws_per_message_deflate=False,
         ws=LivenessProtocol.with_queue_limit(64 * 1024),
-        http=GuardedHttpProtocol.with_limits(max_pending, handshake_timeout_s),
+        http=GuardedHttpProtocol.with_limits(max_pending, handshake_timeout_s, handshakes_per_s),
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

@@ -16,10 +16,11 @@ from typing import cast
 
 import pytest
 from uvicorn.logging import AccessFormatter
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from app.protocol.lexi import to_lexi
+from app.server.admission import HandshakeAdmission
 from app.server.http_protocol import GuardedHttpProtocol
 from app.server.log_lines import LineLimit
 
@@ -111,6 +112,70 @@ async def test_pending_handshakes_are_bounded_and_time_out_while_streams_go_on(
                 assert "status" in str(await asyncio.wait_for(late.recv(), 10))
             stream.push_all(txn(to_lexi(3), 1))
             assert await follow(steady, to_lexi(3)) == [to_lexi(3)]
+
+
+async def open_socket(url: str) -> ClientConnection:
+    return await connect(url, open_timeout=10)
+
+
+def admission_of(server: Server) -> HandshakeAdmission:
+    protocol = cast(type[GuardedHttpProtocol], server.http.config.http_protocol_class)
+    return protocol.limits.admission
+
+
+async def until_waiting(admission: HandshakeAdmission, n: int) -> None:
+    for _ in range(500):
+        if admission.waiting == n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{admission.waiting} handshakes waiting, expected {n}")
+
+
+async def test_a_handshake_beyond_the_rate_waits_its_turn_while_streams_go_on(
+    tmp_path: Path,
+) -> None:
+    # Half a handshake a second, bursts of one: the steady subscriber takes the only
+    # token, so the next handshake waits ~2 s for its turn.
+    async for server in start_server(tmp_path, handshakes_per_s=0.5):
+        admission = admission_of(server)
+        async with connect(f"{server.url}{BASE}&id=steady") as steady:
+            await steady.recv()
+            await steady.send('{"ack":1}')
+            late = asyncio.create_task(open_socket(f"{server.url}{BASE}&id=late"))
+            await until_waiting(admission, 1)
+            assert not late.done()
+            stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+            stream.push_all(txn("02", 5))
+            assert await follow(steady, "02") == ["02"]
+            async with await late as ws:  # admitted when the token came
+                assert "status" in str(await asyncio.wait_for(ws.recv(), 10))
+            assert admission.waiting == 0
+            assert admission.held_total == 1
+
+
+async def test_handshakes_that_cannot_wait_get_503_with_the_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.server.http_protocol")
+    async for server in start_server(
+        tmp_path, max_pending=1, handshake_timeout_s=1.0, handshakes_per_s=0.1
+    ):
+        admission = admission_of(server)
+        async with connect(f"{server.url}{BASE}&id=steady") as steady:
+            await steady.recv()  # took the only token for the next 10 s
+            held = asyncio.create_task(raw_request(server, upgrade(f"{BASE}&id=held")))
+            await until_waiting(admission, 1)
+            # One may wait (max_pending): the next is refused at once...
+            full = await raw_request(server, upgrade(f"{BASE}&id=third"))
+            assert full.startswith(b"HTTP/1.1 503 "), full[:100]
+            assert b"more than 1 websocket handshakes are waiting" in full
+            # ...and the one waiting is refused once it waited the handshake timeout.
+            timed_out = await held
+            assert timed_out.startswith(b"HTTP/1.1 503 "), timed_out[:100]
+            assert b"no websocket handshake slot within 1 s" in timed_out
+            assert admission.waiting == 0
+        # One log line for the first 503; the second is counted for the summary.
+        assert caplog.text.count("refused a connection from") == 1
 
 
 async def test_subscribers_beyond_the_limit_are_refused_with_the_reason(tmp_path: Path) -> None:

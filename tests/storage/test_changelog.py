@@ -77,6 +77,25 @@ async def test_group_commit_stores_many_transactions_in_key_order(log: ChangeLog
     assert state.last_watermark == "0a"
 
 
+async def test_a_first_batch_size_starts_small_and_doubles_up_to_the_batch_size(
+    log: ChangeLog,
+) -> None:
+    async with log.write(OWNER) as w:
+        await w.append(tx("02", *(insert(i) for i in range(40))))
+        w.set_last_watermark("02")
+    expected = await read_all(log)
+    assert len(expected) == 44  # the seed's begin/commit, then begin, 40 inserts, commit
+    sizes = []
+    rows: list[tuple] = []
+    async for batch in log.read("00", "zz", batch_size=12, first_batch=3):
+        sizes.append(len(batch))
+        rows.extend(batch)
+    assert sizes == [3, 6, 12, 12, 11]
+    assert rows == expected
+    with pytest.raises(ValueError, match="first_batch must be at least 1"):
+        await read_all(log, first_batch=0)
+
+
 async def test_read_bounds_are_inclusive_on_both_ends(log: ChangeLog) -> None:
     async with log.write(OWNER) as w:
         await w.append(tx("02", insert(1)) + tx("03", insert(2)) + tx("04", insert(3)))
