@@ -81,6 +81,15 @@ _XLOG_DATA: Final = 0x77
 _XLOG_HEADER_SIZE: Final = 25
 
 
+# libpq grows a connection's input buffer to the largest message it received and
+# never shrinks it: after one 100 MB value the service would keep 128 MiB for as
+# long as the replication connection lives. A frame above this size makes the stream
+# end cleanly once the service acked the transaction that carried it; the service
+# starts the next one at once (after it, so nothing is sent twice) on a fresh
+# connection. Values this large are rare, and a reconnect costs ~0.1 s.
+RECYCLE_ABOVE_BYTES: Final = 32 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class PostgresSourceOptions:
     app_id: str
@@ -96,6 +105,9 @@ class PostgresSourceOptions:
     # The replicas row of the replica being served: older replicas' slots are
     # dropped when a stream starts (after a re-sync they would pin WAL).
     replica_id: str | None = None
+    # A frame larger than this ends the stream once its transaction is acked (see
+    # PostgresChangeStream); None never does.
+    recycle_above_bytes: int | None = RECYCLE_ABOVE_BYTES
 
 
 class PostgresChangeSource(ChangeSource):
@@ -139,6 +151,7 @@ class PostgresChangeSource(ChangeSource):
             url=self._url,
             wal_sender_timeout_s=wal_sender_timeout_s,
             silence_timeout_s=opts.silence_timeout_s,
+            recycle_above_bytes=opts.recycle_above_bytes,
         )
         if reset is not None:
             stream.fail_with_reset(reset, start_lsn)
@@ -160,8 +173,12 @@ class PostgresChangeStream(ChangeStream):
         url: str,
         wal_sender_timeout_s: float,
         silence_timeout_s: float | None = None,
+        recycle_above_bytes: int | None = None,
     ) -> None:
         self._replication = replication
+        self._recycle_above = recycle_above_bytes
+        # The commit watermark whose ack ends this stream (RECYCLE_ABOVE_BYTES).
+        self._recycle_after: str | None = None
         self._mapper = mapper
         self._url = url
         self._acker = StandbyAcker()
@@ -222,6 +239,8 @@ class PostgresChangeStream(ChangeStream):
             return
         last_inbound = time.monotonic()
         while not self._closed.is_set():
+            if self._recycle_due():
+                return
             frame = await self._replication.read_frame(self._poll_s)
             if frame is None:
                 if self._writer.done():
@@ -234,6 +253,8 @@ class PostgresChangeStream(ChangeStream):
                     )
                 continue
             last_inbound = time.monotonic()
+            if self._recycle_above is not None and len(frame) > self._recycle_above:
+                self._recycle_after = self._recycle_after or self._acker.waiting_for
             # The `del`s: nothing of a frame (one may carry a 100 MB value) stays
             # referenced from here while the next one is awaited.
             if frame[0] == _XLOG_DATA:
@@ -264,6 +285,20 @@ class PostgresChangeStream(ChangeStream):
 
     def _resetting(self) -> bool:
         return self._reset is not None
+
+    def _recycle_due(self) -> bool:
+        """True once the transaction of a frame over ``recycle_above_bytes`` is acked:
+        the stream then ends, and the service starts a fresh one after it."""
+        after = self._recycle_after
+        if after is None or not self._acker.acked_through(after):
+            return False
+        log.info(
+            "reconnecting the replication stream after a message over %d MiB (acked "
+            "through %s): libpq keeps its input buffer at the largest message's size",
+            (self._recycle_above or 0) >> 20,
+            after,
+        )
+        return True
 
     def _on_keepalive(self, k: PrimaryKeepalive) -> Status | None:
         if k.reply_requested:

@@ -275,6 +275,53 @@ async def test_ack_moves_the_slot_and_restart_resumes_after_it(upstream: tuple[s
         await stream.close()
 
 
+async def test_a_huge_frame_ends_the_stream_once_its_transaction_is_acked(
+    upstream: tuple[str, str],
+) -> None:
+    # libpq keeps its input buffer at the largest message's size for the life of the
+    # connection: after one, the stream ends cleanly at the first point after the
+    # service acked that transaction, and the next stream starts after it.
+    url, start = upstream
+    source = source_for(url, recycle_above_bytes=64 * 1024)
+    stream = await source.start_stream(start, [])
+    try:
+        it = aiter(stream)
+        await execute(url, "INSERT INTO items (id, big) VALUES (1, repeat('x', 200000))")
+        await execute(url, "INSERT INTO items (id) VALUES (2)")
+        big = await take(it, 3)
+        small = await take(it, 3)  # not acked yet: the stream goes on
+        assert isinstance(big[2], Commit)
+        assert isinstance(small[2], Commit)
+        stream.ack(["status", big[2].body, {"watermark": big[2].watermark}])
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(anext(it), 10)
+    finally:
+        await stream.close()
+    stream = await source.start_stream(big[2].watermark, [])
+    try:
+        begin = (await take(aiter(stream), 1))[0]
+        assert isinstance(begin, Begin)
+        assert begin.commit_watermark == small[2].watermark
+    finally:
+        await stream.close()
+
+
+async def test_small_frames_never_end_the_stream(upstream: tuple[str, str]) -> None:
+    url, start = upstream
+    stream = await source_for(url, recycle_above_bytes=64 * 1024).start_stream(start, [])
+    try:
+        it = aiter(stream)
+        await execute(url, "INSERT INTO items (id, big) VALUES (1, repeat('x', 60000))")
+        await execute(url, "INSERT INTO items (id) VALUES (2)")
+        first = await take(it, 3)
+        assert isinstance(first[2], Commit)
+        stream.ack(["status", first[2].body, {"watermark": first[2].watermark}])
+        second = await take(it, 3)
+        assert isinstance(second[0], Begin)
+    finally:
+        await stream.close()
+
+
 async def test_close_right_after_an_ack_ends_the_stream(upstream: tuple[str, str]) -> None:
     # An ack wakes the standby writer; a close() in the same loop step used to
     # cancel it just as its wait_for() completed, which Python 3.11 swallows: the
