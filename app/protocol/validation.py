@@ -58,7 +58,19 @@ class MessageValidationError(ValueError):
             text = f"{context}: field '{field}' {reason}"
         else:
             text = f"{context}: {reason}"
-        super().__init__(text)
+        # The text becomes a close reason and a log line, and a field path is made
+        # of the peer's keys: control characters in it are written as escapes.
+        super().__init__(text.translate(_ESCAPES))
+
+
+# Control characters (C0, DEL, C1) and the two Unicode line separators as the
+# escapes JSON would write for them: nothing that splits a line is left.
+_ESCAPES: Final = {
+    **{c: f"\\u{c:04x}" for c in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)},
+    0x0A: "\\n",
+    0x0D: "\\r",
+    0x09: "\\t",
+}
 
 
 class FieldError(Exception):
