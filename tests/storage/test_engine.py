@@ -81,3 +81,31 @@ async def test_postgres_sessions_carry_the_reference_application_name(pg_db: Cha
         )
         timeout = await conn.scalar(text("SHOW idle_in_transaction_session_timeout"))
         assert timeout == "1min"
+
+
+async def test_sqlite_readers_come_back_to_the_pool_outside_any_transaction(
+    sqlite_db: ChangeDb,
+) -> None:
+    # The reader pool does not roll back on return (a thread hop per catch-up
+    # batch): what SQLAlchemy began it rolls back itself, and the catch-up reads are
+    # autocommit SELECTs on the driver. No pooled reader may keep a snapshot.
+    db = sqlite_db
+    async with db.writer.begin() as w:
+        await w.execute(text("CREATE TABLE t (x int)"))
+    async with db.reader.connect() as r:  # SQLAlchemy's own transaction (BEGIN)
+        assert await r.scalar(text("SELECT count(*) FROM t")) == 0
+    async with db.reader.connect() as r:  # a driver-level read, as storage.fastpath
+        driver = (await r.get_raw_connection()).driver_connection
+        assert await driver.execute_fetchall("SELECT count(*) FROM t", ()) == [(0,)]
+    async with db.writer.begin() as w:
+        await w.execute(text("INSERT INTO t VALUES (1)"))
+    size = db.reader.pool.size()  # type: ignore[attr-defined]
+    conns = [await db.reader.connect() for _ in range(size)]
+    try:
+        for r in conns:
+            driver = (await r.get_raw_connection()).driver_connection
+            assert not driver._conn.in_transaction
+            assert await driver.execute_fetchall("SELECT count(*) FROM t", ()) == [(1,)]
+    finally:
+        for r in conns:
+            await r.close()
