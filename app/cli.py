@@ -261,6 +261,13 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         built.append(service)
         return service
 
+    # httptools, with bounds on requests still arriving (app/server/http_protocol.py);
+    # /metrics shows what they did.
+    http_protocol = GuardedHttpProtocol.with_limits(
+        settings.max_pending_handshakes,
+        settings.handshake_timeout_s,
+        settings.max_handshakes_per_s,
+    )
     app = create_app(
         db,
         service_factory=build_service,
@@ -269,6 +276,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         auth=AdminAuth(settings.admin_password, settings.operator_password, settings.development),
         keepalive_timeout_s=(settings.keepalive_timeout_ms or 0) / 1000 or None,
         on_keepalive_expired=shut_down,
+        connection_limits=http_protocol.limits,
     )
     config = uvicorn.Config(
         app,
@@ -278,12 +286,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         # uvicorn's sans-I/O websockets, with zero's liveness rule: a pong *or* any
         # inbound frame keeps a peer alive (app/server/ws_protocol.py).
         ws=LivenessProtocol.with_queue_limit(settings.subscriber_max_queued_bytes),
-        # httptools, with bounds on requests still arriving (app/server/http_protocol.py).
-        http=GuardedHttpProtocol.with_limits(
-            settings.max_pending_handshakes,
-            settings.handshake_timeout_s,
-            settings.max_handshakes_per_s,
-        ),
+        http=http_protocol,
         # Pings at most every 30 s (zero's clients drop a silent socket after 33 s);
         # a generous pong timeout, since a busy replica may answer late.
         ws_ping_interval=20,

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from app.server.admin import AdminAuth, admin_router, service_stats
 from app.server.health import health_router
+from app.server.http_protocol import PendingLimits
 from app.server.metrics import metrics_router
 from app.server.replication import router as replication_router
 from app.storage import ChangeDb
@@ -48,6 +49,7 @@ def create_app(
     auth: AdminAuth | None = None,
     keepalive_timeout_s: float | None = None,
     on_keepalive_expired: Callable[[], None] | None = None,
+    connection_limits: PendingLimits | None = None,
 ) -> FastAPI:
     """The app over a migrated change DB (disposed at shutdown) and its service.
 
@@ -109,7 +111,7 @@ def create_app(
             lambda: service_stats(holder.service),
         )
     )
-    app.include_router(metrics_router(lambda: holder.service))
+    app.include_router(metrics_router(lambda: holder.service, connection_limits=connection_limits))
     if service is not None or service_factory is not None:
         app.include_router(replication_router(holder.get))
     return app

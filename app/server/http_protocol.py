@@ -103,6 +103,7 @@ class PendingLimits:
     admission: HandshakeAdmission
     pending: int = 0
     refusals: _RefusalLog = field(default_factory=_RefusalLog)
+    refused: Counter[int] = field(default_factory=Counter)  # by status, since start
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -234,6 +235,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._answered = True
         self._end_pending()
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        self.limits.refused[status] += 1
         self.limits.refusals.refused(status, client, why)
         body = why.encode()
         self.transport.write(

@@ -24,6 +24,10 @@ gauges as they are at that moment, so there is no registry to keep. Metrics:
 ``changestreamer_change_log_purged_rows_total``   counter  rows purged from the change log
 ``changestreamer_change_log_bytes``               gauge    bytes of the change log (cached)
 ``changestreamer_purge_floor_info{held_by}``      gauge    what held the last purge floor
+``changestreamer_connections_pending``            gauge    connections whose request is arriving
+``changestreamer_handshakes_waiting``             gauge    websocket handshakes held for their turn
+``changestreamer_handshakes_held_total``          counter  handshakes that had to wait
+``changestreamer_connections_refused_total{status}`` counter  connections refused (503, 408, 414…)
 ================================================  =======  =================================
 
 Counters restart from zero with the process (Prometheus' ``rate`` handles that).
@@ -55,6 +59,7 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from app.server.http_protocol import PendingLimits
 from app.storage import ChangeLog
 from app.streamer.service import ChangeStreamerService
 
@@ -339,9 +344,40 @@ def _modes(waits: dict[str, int]) -> Sequence[str]:
 # The route.
 
 
+def connection_families(limits: PendingLimits) -> list[MetricFamily]:
+    """What the HTTP protocol's bounds did (app/server/http_protocol.py)."""
+    refused = MetricFamily(
+        "changestreamer_connections_refused_total",
+        "counter",
+        "Connections answered with an error status before their request was served.",
+    )
+    for status in sorted(limits.refused):
+        refused.add(limits.refused[status], status=str(status))
+    admission = limits.admission
+    return [
+        MetricFamily(
+            "changestreamer_connections_pending",
+            "gauge",
+            "Connections whose request has not fully arrived.",
+        ).add(limits.pending),
+        MetricFamily(
+            "changestreamer_handshakes_waiting",
+            "gauge",
+            "Websocket handshakes held for their turn (the handshake rate limit).",
+        ).add(admission.waiting),
+        MetricFamily(
+            "changestreamer_handshakes_held_total",
+            "counter",
+            "Websocket handshakes that had to wait for their turn.",
+        ).add(admission.held_total),
+        refused,
+    ]
+
+
 def metrics_router(
     service_getter: Callable[[], ChangeStreamerService | None],
     *,
+    connection_limits: PendingLimits | None = None,
     change_log_rows_ttl_s: float = 30.0,
     change_log_timeout_s: float = 5.0,
     clock: Callable[[], float] = time.monotonic,
@@ -354,6 +390,8 @@ def metrics_router(
     @router.get("/metrics")
     async def metrics() -> Response:
         families = await collect(service_getter(), rows, wall_clock())
+        if connection_limits is not None:
+            families += connection_families(connection_limits)
         return Response(render(families), media_type=CONTENT_TYPE)
 
     return router

@@ -82,7 +82,8 @@ async def start_server(
     """The service behind uvicorn with the protocols (and their bounds) `serve` uses."""
     db, source, service = await new_service(tmp_path, task_id="server-test", **options)
     port = free_port()
-    app = create_app(db, service, startup_delay_s=3600)
+    http = GuardedHttpProtocol.with_limits(max_pending, handshake_timeout_s, handshakes_per_s)
+    app = create_app(db, service, startup_delay_s=3600, connection_limits=http.limits)
     # The websocket protocol `changestreamer serve` uses.
     config = uvicorn.Config(
         app,
@@ -91,7 +92,7 @@ async def start_server(
         log_level="warning",
         ws_per_message_deflate=False,
         ws=LivenessProtocol.with_queue_limit(64 * 1024),
-        http=GuardedHttpProtocol.with_limits(max_pending, handshake_timeout_s, handshakes_per_s),
+        http=http,
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
