@@ -37,7 +37,7 @@ from app.runtime.backups import (
     start_backups,
 )
 from app.runtime.gc_tuning import before_exit, tune_for_streaming
-from app.runtime.memory import return_large_frees
+from app.runtime.memory import return_large_frees, trim_periodically
 from app.runtime.options import streamer_options, task_id
 from app.runtime.postgres import (
     PreparedUpstream,
@@ -258,6 +258,9 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
                 await asyncio.to_thread(held.release)
 
             releasers.add(asyncio.create_task(release_once_owner(), name="release reservation"))
+        # Free heap pages back to the OS now and then (app/runtime/memory.py); the
+        # loop cancels it at exit.
+        releasers.add(asyncio.create_task(trim_periodically(), name="malloc trim"))
         built.append(service)
         return service
 

@@ -14,7 +14,7 @@ raw client, in this process), and measures its data changes per second:
    ``--churn-from start`` at its start; reads its status message, then closes);
 3. ``flood`` — another process holds ``--flood`` connections open at once (beyond
    ``CHANGESTREAMER_MAX_SUBSCRIBERS`` they are refused with a close), then closes
-   them all; the service's RSS (its process tree) before, with them open, and 5 s
+   them all; the service's RSS (its process tree) before, with them open, and 12 s
    after they closed.
 
 Loopback only; every process it starts is stopped by its PID.
@@ -45,7 +45,8 @@ def tree_rss_mib(pid: int) -> int:
 
 
 async def steady_rate(port: int, replica_version: str, seconds: float, sink: list[float]) -> None:
-    """Follows the stream; appends (time, data changes so far) samples to ``sink``."""
+    """Follows the stream for ``seconds`` (or until cancelled); appends (time, data
+    changes so far) samples to ``sink``."""
     path = (
         f"/replication/v6/changes?id=steady&replicaVersion={replica_version}"
         f"&watermark={replica_version}"
@@ -150,7 +151,9 @@ async def run(
     replica_version = await asyncio.to_thread(statz_replica_version, port)
     phase = args.seconds
     samples: list[float] = []
-    steady = asyncio.create_task(steady_rate(port, replica_version, 3 * phase + 15, samples))
+    # Until cancelled: opening the flood takes longer than a phase now that new
+    # streams are admitted at CHANGESTREAMER_MAX_HANDSHAKES_PER_SECOND.
+    steady = asyncio.create_task(steady_rate(port, replica_version, 3600, samples))
     await asyncio.sleep(2)  # past the catch-up
     t0 = time.monotonic()
     await asyncio.sleep(phase)
@@ -202,9 +205,10 @@ async def run(
     await flooder.stdin.drain()
     await flooder.stdout.readline()
     await flooder.wait()
-    await asyncio.sleep(5)
+    await asyncio.sleep(12)  # past serve's next malloc_trim (every 10 s)
     rss_after = tree_rss_mib(proc.pid)
     steady.cancel()
+    metrics = await asyncio.to_thread(connection_metrics, port)
     return {
         "baseline_changes_per_s": round(baseline),
         "churn_changes_per_s": round(churn),
@@ -216,6 +220,19 @@ async def run(
         "rss_before_flood_mib": rss_before,
         "rss_flood_open_mib": rss_open,
         "rss_after_flood_mib": rss_after,
+        **metrics,
+    }
+
+
+def connection_metrics(port: int) -> dict[str, float]:
+    """What the connection bounds did over the whole run (/metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        body = reply.read().decode()
+    wanted = ("changestreamer_handshakes_held_total", "changestreamer_connections_refused_total")
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in body.splitlines()
+        if line.startswith(wanted)
     }
 
 

@@ -67,3 +67,17 @@ def test_an_operators_own_threshold_is_left_alone() -> None:
         timeout=60,
     )
     assert out.stdout.split() == ["True", "65536"]
+
+
+async def test_the_periodic_trim_runs_until_cancelled() -> None:
+    # malloc_trim(0) in a worker thread, every interval; cancelling it ends it.
+    import asyncio
+
+    from app.runtime.memory import trim_periodically
+
+    task = asyncio.create_task(trim_periodically(0.01))
+    await asyncio.sleep(0.1)
+    assert not task.done()  # glibc has malloc_trim: the loop goes on
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
