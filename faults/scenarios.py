@@ -655,7 +655,7 @@ async def clock_jump(env: Environment, result: FaultResult, iterations: int) -> 
     result.metrics = env.serve.metrics(
         r"changestreamer_(backup_wedged|backup_lag_seconds|backup_write_lag|lag_seconds)"
     )
-    result.log_line = _first_log_line(env.serve, r"backup|clock") or ""
+    result.log_line = _first_log_line(env.serve, r"clock|backup wedged|dropping subscriber") or ""
 
 
 async def _serve_clock_is(env: Environment, offset_s: int) -> bool:
