@@ -278,6 +278,10 @@ async def sigkill(env: Environment, result: FaultResult, iterations: int) -> Non
     result.log_line = result.log_line or _first_log_line(env.serve, r"replicating slot .* from")
 
 
+# This run's slot in pg_replication_slots (as ``s``); the parameter is its database.
+_RUNS_SLOT = f"s.slot_name LIKE '{APP_ID}\\_0\\_%%' AND s.database = %s"
+
+
 async def walsender(env: Environment, result: FaultResult, iterations: int) -> None:
     """pg_terminate_backend on the walsender of this run's slot."""
     for _ in range(iterations):
@@ -286,9 +290,8 @@ async def walsender(env: Environment, result: FaultResult, iterations: int) -> N
             t0 = time.monotonic()
             ended = await pg_rows(
                 PG_URL,
-                "SELECT active_pid, pg_terminate_backend(active_pid) FROM pg_replication_slots "
-                f"WHERE slot_name LIKE '{APP_ID}\\_0\\_%%' AND database = %s "
-                "AND active_pid IS NOT NULL",
+                "SELECT active_pid, pg_terminate_backend(active_pid) FROM pg_replication_slots s "
+                f"WHERE {_RUNS_SLOT} AND active_pid IS NOT NULL",
                 (env.db_name,),
             )
             result.notes[f"walsenders terminated: {len(ended)}"] += 1
@@ -665,7 +668,7 @@ async def _serve_clock_is(env: Environment, offset_s: int) -> bool:
         PG_URL,
         "SELECT extract(epoch FROM r.reply_time - now()) FROM pg_stat_replication r "
         "JOIN pg_replication_slots s ON s.active_pid = r.pid "
-        f"WHERE s.slot_name LIKE '{APP_ID}\\_0\\_%%' AND s.database = %s",
+        f"WHERE {_RUNS_SLOT}",
         (env.db_name,),
     )
     return any(abs(float(skew) - offset_s) < 30 for (skew,) in rows if skew is not None)
