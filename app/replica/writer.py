@@ -62,6 +62,14 @@ __all__ = ["CommitResult", "ReplicaWriter", "WriterMode"]
 
 WriterMode = Literal["serving", "backup"]
 
+# After a commit that bound a text or blob value of at least this many characters
+# (bytes), the connection is reopened: sqlite3 keeps a cached statement's last
+# bindings — SQLite's own copy of each bound value — until the statement runs
+# again, so one 100 MB value stayed resident for as long as its table saw no other
+# write of the same shape (decision 44). Reopening costs a few statement
+# preparations, once per such commit.
+LARGE_VALUE_CHARS = 1 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class CommitResult:
@@ -89,7 +97,9 @@ class ReplicaWriter:
         if mode not in ("serving", "backup"):
             raise ValueError(f"mode must be 'serving' or 'backup', got {mode!r}")
         self._mode = mode
+        self._path = path
         self._conn = open_replica(path)
+        self._large_bound = False  # see LARGE_VALUE_CHARS
         try:
             check_schema_version(self._conn)
             state = read_replica_state(self._conn)
@@ -217,6 +227,7 @@ class ReplicaWriter:
                 self._conn.execute("RELEASE upstream_tx")
             if flush:
                 self._conn.execute("COMMIT")
+                self._release_large_bindings()
         except BaseException as e:
             self._rollback()
             if isinstance(e, sqlite3.Error):
@@ -251,6 +262,7 @@ class ReplicaWriter:
             return
         try:
             self._conn.execute("COMMIT")
+            self._release_large_bindings()
         except sqlite3.Error as e:
             self._discard_group()
             raise ReplicaError(f"cannot commit up to {self._state_version}: {e}") from e
@@ -261,6 +273,15 @@ class ReplicaWriter:
         """Discards the open transaction, if any (a group's earlier ones stay)."""
         if self._tx is not None:
             self._rollback()
+
+    def _release_large_bindings(self) -> None:
+        """Reopens the connection (outside any transaction) if a large value was bound."""
+        if not self._large_bound:
+            return
+        self._large_bound = False
+        self._conn.close()
+        self._conn = open_replica(self._path)
+        self._change_log = ChangeLog(self._conn)
 
     def close(self) -> None:
         self.abort()
@@ -348,10 +369,11 @@ class ReplicaWriter:
     def _upsert(self, table: str, row: Mapping[str, LiteValue]) -> None:
         cols = ",".join(quote_id(c) for c in row)
         marks = ",".join("?" * len(row))
+        params = tuple(row.values())
         self._conn.execute(
-            f"INSERT OR REPLACE INTO {quote_id(table)} ({cols}) VALUES ({marks})",
-            tuple(row.values()),
+            f"INSERT OR REPLACE INTO {quote_id(table)} ({cols}) VALUES ({marks})", params
         )
+        self._large_bound = self._large_bound or _holds_large(params)
 
     def _insert(self, tx: _Transaction, change: Mapping[str, Any]) -> None:
         relation = change["relation"]
@@ -385,10 +407,9 @@ class ReplicaWriter:
         where = old_key if old_key is not None else new_key
         sets = ",".join(f"{quote_id(c)}=?" for c in row)
         conds = " AND ".join(f"{quote_id(c)}=?" for c in where)
-        cursor = self._conn.execute(
-            f"UPDATE {quote_id(table)} SET {sets} WHERE {conds}",
-            (*row.values(), *where.values()),
-        )
+        params = (*row.values(), *where.values())
+        cursor = self._conn.execute(f"UPDATE {quote_id(table)} SET {sets} WHERE {conds}", params)
+        self._large_bound = self._large_bound or _holds_large(params)
         if cursor.rowcount == 0:
             self._upsert(table, row)
 
@@ -675,3 +696,10 @@ def _backfilled(row: Mapping[str, Any], info: TableInfo) -> list[str] | None:
     if not info.backfilling:
         return None
     return [c for c in info.backfilling if c in row]
+
+
+def _holds_large(params: tuple[LiteValue, ...]) -> bool:
+    return any(
+        type(v) in (str, bytes) and len(v) >= LARGE_VALUE_CHARS  # type: ignore[arg-type]
+        for v in params
+    )

@@ -35,6 +35,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import itemgetter
 
 __all__ = [
     "FRAME_HEADER",
@@ -63,6 +64,15 @@ Row = tuple[str, int, str, str | None]
 # --groups varied`, docs/benchmarks.md, session 6).
 ROWS_PER_STATEMENT = 2048
 
+# A row whose change text is at least this long is inserted on its own, by
+# ``SqliteStatements.insert_large``, and the statement is then run once more with
+# NULLs (inserting nothing) so that it lets go of the value: sqlite3 keeps a
+# cached statement's last bindings (SQLite's own copy of every bound text) until
+# it is bound again, and a many-row statement may not be used again for hours —
+# one 100 MB value held 100 MiB that way (decision 44).
+LARGE_ROW_CHARS = 1 << 20
+_CHANGE = itemgetter(2)
+
 # Every frame: this 8-byte little-endian length, then a marshal of that length.
 MARSHAL_VERSION = 4
 FRAME_HEADER = struct.Struct("<Q")
@@ -77,6 +87,8 @@ class SqliteStatements:
     insert_prefix: str  # 'INSERT INTO … VALUES '
     # INSERT statements by row count: ROWS_PER_STATEMENT and the powers of two below.
     inserts: dict[int, str] = field(init=False, repr=False, compare=False)
+    # One row, inserted only when a fifth parameter is true (see LARGE_ROW_CHARS).
+    insert_large: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         inserts: dict[int, str] = {}
@@ -85,6 +97,8 @@ class SqliteStatements:
             inserts[n] = self.insert_prefix + ",".join(["(?,?,?,?)"] * n)
             n //= 2
         object.__setattr__(self, "inserts", inserts)
+        columns = self.insert_prefix.removesuffix(" VALUES ")
+        object.__setattr__(self, "insert_large", columns + " SELECT ?, ?, ?, ? WHERE ?")
 
     @classmethod
     def for_tables(cls, change_log: str, replication_state: str) -> SqliteStatements:
@@ -107,7 +121,13 @@ class SqliteStatements:
 
 
 def insert_rows(sq: sqlite3.Connection, statements: SqliteStatements, rows: Sequence[Row]) -> None:
-    """Full statements, then the rest by halves."""
+    """Full statements, then the rest by halves; large rows one by one."""
+    if rows and max(map(len, map(_CHANGE, rows))) >= LARGE_ROW_CHARS:
+        large = [row for row in rows if len(row[2]) >= LARGE_ROW_CHARS]
+        rows = [row for row in rows if len(row[2]) < LARGE_ROW_CHARS]
+        for row in large:
+            sq.execute(statements.insert_large, (*row, True))
+        sq.execute(statements.insert_large, (None, None, None, None, False))  # unbinds
     start, total, n = 0, len(rows), ROWS_PER_STATEMENT
     while start < total:
         while n > total - start:

@@ -11,6 +11,7 @@ import pytest
 from app.replica.errors import ReplicaError, UnsupportedColumnDefaultError
 from app.replica.schema import read_replica_state
 from app.replica.writer import ReplicaWriter
+from tests import sqlite_memory
 
 from .conftest import (
     apply_tx,
@@ -552,3 +553,22 @@ def test_backup_mode_logs_no_row_operations(replica: Path) -> None:
     assert rows(replica, CHANGE_LOG) == []
     assert foo_rows(replica) == []
     assert read_replica_state(replica).state_version == "03"
+
+
+def test_a_large_value_does_not_stay_bound_after_its_commit(
+    with_foo: ReplicaWriter, replica: Path
+) -> None:
+    # sqlite3 keeps a cached statement's last bindings until it runs again; after
+    # a commit that bound a large value the writer reopens its connection.
+    sqlite_memory.probe()
+    large = "y" * (8 << 20)
+    before = sqlite_memory.memory_used()
+    apply_tx(with_foo, "03", insert({"id": 1, "name": large}))
+    apply_tx(with_foo, "04", update({"id": 2, "name": large}, key={"id": 1}))
+    assert sqlite_memory.memory_used() - before < 4 << 20  # the page cache, not the value
+    apply_tx(with_foo, "05", insert({"id": 3, "name": "small"}))  # the new connection writes
+    assert rows(replica, 'SELECT id, length(name), _0_version FROM "foo" ORDER BY id') == [
+        (2, 8 << 20, "04"),
+        (3, 5, "05"),
+    ]
+    assert read_replica_state(replica).state_version == "05"

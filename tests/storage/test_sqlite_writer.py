@@ -29,6 +29,7 @@ from app.storage import (
 )
 from app.storage.sqlite_group import SqliteStatements
 from app.storage.sqlite_writer import SqliteWriterError, SqliteWriterProcess
+from tests import sqlite_memory
 
 OWNER = "task-a"
 
@@ -233,3 +234,29 @@ def hang_up_mid_commit(args: list[str]) -> tuple[int, str]:
     ours.close()
     _, stderr = proc.communicate(timeout=30)
     return proc.returncode, stderr
+
+
+def test_insert_rows_lets_go_of_a_large_value(tmp_path: Path) -> None:
+    # sqlite3 keeps a cached statement's last bindings (SQLite's copy of each
+    # value) until the statement runs again: a large row goes through its own
+    # statement, which is then run with NULLs.
+    sqlite_memory.probe()
+    statements = SqliteStatements.for_tables('"changeLog"', '"replicationState"')
+    sq = sqlite3.connect(tmp_path / "c.db", isolation_level=None)
+    sq.execute(
+        'CREATE TABLE "changeLog" (watermark TEXT, pos INT, change TEXT, precommit TEXT,'
+        " PRIMARY KEY (watermark, pos))"
+    )
+    large = "x" * (8 << 20)
+    rows = [("01", 0, '{"tag":"begin"}', None), ("01", 1, large, None), ("01", 2, "{}", "01")]
+    before = sqlite_memory.memory_used()
+    sqlite_group.insert_rows(sq, statements, rows)
+    assert sqlite_memory.memory_used() - before < 4 << 20  # the page cache, not the value
+    got = sq.execute('SELECT pos, length(change) FROM "changeLog" ORDER BY pos').fetchall()
+    assert got == [(0, 15), (1, 8 << 20), (2, 2)]
+    # The control: the large row by the one-row statement of the small rows.
+    sq.execute('DELETE FROM "changeLog"')
+    before = sqlite_memory.memory_used()
+    sq.execute(statements.inserts[1], rows[1])
+    assert sqlite_memory.memory_used() - before >= 8 << 20
+    sq.close()
