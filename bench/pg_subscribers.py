@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import functools
 import json
 import os
@@ -54,6 +53,7 @@ _MSG = b',"msg":["'
 # A change-streamer that falls silent for this long mid-run has stalled: fail
 # instead of waiting for the global timeout.
 _FRAME_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 5.0
 _READ_SIZE = 1 << 18
 _OP_CONT, _OP_TEXT, _OP_CLOSE, _OP_PING = 0x0, 0x1, 0x8, 0x9
 
@@ -231,9 +231,15 @@ class RawSocket:
         await self._writer.drain()
 
     async def close(self) -> None:
+        """Closes the socket; bounded: a peer that stops reading cannot take our
+        unsent bytes, and waiting for them hung bench.churn's end."""
         self._writer.close()
-        with contextlib.suppress(OSError):
-            await self._writer.wait_closed()
+        try:
+            await asyncio.wait_for(self._writer.wait_closed(), CLOSE_TIMEOUT_S)
+        except OSError:
+            pass
+        except TimeoutError:
+            self._writer.transport.abort()
 
 
 def _split(message: bytes) -> tuple[bytes, bytes]:
