@@ -193,8 +193,15 @@ class ChangeStreamerService:
             replica_size=self._replica_size,
             max_open_s=self.options.reservation_max_s,
         )
+
+        async def purge_before(watermark: str) -> int:
+            # The storer's in-memory tail first: a catch-up must not find there
+            # what the change log no longer has.
+            self.storer.forget_before(watermark)
+            return await self.change_log.purge_before(watermark, task_id)
+
         self.purger = Purger(
-            lambda w: self.change_log.purge_before(w, task_id),
+            purge_before,
             self.forwarder.acks,
             self.reservations.reserved_watermarks,
             self._timers,

@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from app.protocol.canonical_json import loads
@@ -51,6 +51,7 @@ from app.storage import AbortError, AutoResetSignal, ChangeLog, Replication, Sto
 from app.storage.backfill import BookkeepingOp, bookkeeping_for
 from app.storage.changelog import WriteTransaction
 from app.streamer.subscriber import Change, Mode, Subscriber, new_change
+from app.streamer.tail import DEFAULT_TAIL_BYTES, LogTail
 from app.streamer.timers import TimerHandle, Timers
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class Storer:
         catchup_batch: int = CATCHUP_BATCH,
         max_concurrent_catchups: int = MAX_CONCURRENT_CATCHUPS,
         hold_catchups_until_owned: bool = False,
+        tail_bytes: int = DEFAULT_TAIL_BYTES,
     ) -> None:
         self._log = change_log
         self._replication = replication
@@ -170,6 +172,10 @@ class Storer:
         # crowd of (re)connecting subscribers cannot take the loop from the live
         # stream, and one that leaves while waiting costs no read at all.
         self._reading = asyncio.Semaphore(max_concurrent_catchups)
+        # The last durable transactions, for catch-ups that start among them.
+        self._tail = LogTail(tail_bytes)
+        self.catchups_from_memory = 0
+        self.catchups_from_log = 0
 
     # ------------------------------------------------------------------
     # Enqueue side: called by the main loop without awaiting.
@@ -439,6 +445,11 @@ class Storer:
         return items, size
 
     def _made_durable(self, group: list[_OpenTx]) -> None:
+        for t in group:
+            if t.chunked:  # its first rows went ahead in chunks: not all at hand
+                self._tail.clear()
+            else:
+                self._tail.add(t.watermark, t.rows, t.bytes)
         self.durable = group[-1].watermark
         self._wake_durable_waiters()
         acked = [t.watermark for t in group if not t.skip_ack]
@@ -491,6 +502,8 @@ class Storer:
 
     def reset_for_stream(self, durable_watermark: str) -> None:
         """A new upstream stream starts from ``durable_watermark`` (what is stored)."""
+        if durable_watermark != self.durable:
+            self._tail.clear()  # the log's end moved without this storer
         self._last_enqueued_commit = durable_watermark
         self.durable = durable_watermark
         self._wake_durable_waiters()
@@ -498,6 +511,22 @@ class Storer:
 
     # ------------------------------------------------------------------
     # Catch-up.
+
+    def forget_before(self, watermark: str) -> None:
+        """Called before a purge below ``watermark``: catch-ups from older
+        watermarks must then find the log purged, as they would without the tail."""
+        self._tail.forget_before(watermark)
+
+    def _batches(self, start: str, up_to: str) -> AsyncIterator[list[StoredRow]]:
+        """The log's rows from ``start``'s transaction through ``up_to``, in batches
+        that start small and double: from memory while the tail holds them all."""
+        first = min(CATCHUP_FIRST_BATCH, self._catchup_batch)
+        held = self._tail.rows_from(start, up_to)
+        if held is None:
+            self.catchups_from_log += 1
+            return self._log.read(start, up_to, batch_size=self._catchup_batch, first_batch=first)
+        self.catchups_from_memory += 1
+        return _ramped(held, first, self._catchup_batch)
 
     def _start_catchup(self, request: _Catchup, up_to: str) -> None:
         task = asyncio.create_task(self._catchup(request, up_to), name=f"catchup-{request.sub.id}")
@@ -565,13 +594,7 @@ class Storer:
         found = start == self._replica_version
         rows_seen = False
         last: asyncio.Future[bool] | None = None
-        batches = self._log.read(
-            start,
-            up_to,
-            batch_size=self._catchup_batch,
-            first_batch=min(CATCHUP_FIRST_BATCH, self._catchup_batch),
-        )
-        async for batch in batches:
+        async for batch in self._batches(start, up_to):
             rows_seen = True
             if last is not None:
                 await last  # at most two batches in memory
@@ -612,6 +635,27 @@ class Storer:
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+
+
+async def _ramped(
+    transactions: list[list[StoredRow]], first: int, size: int
+) -> AsyncIterator[list[StoredRow]]:
+    """The transactions' rows in batches as ``ChangeLog.read`` ramps them: ``first``
+    rows, then twice as many each time up to ``size``; each batch is built only
+    when asked for."""
+    batch: list[StoredRow] = []
+    n = first
+    for rows in transactions:
+        at = 0
+        while at < len(rows):
+            take = rows[at : at + n - len(batch)]
+            batch += take
+            at += len(take)
+            if len(batch) == n:
+                yield batch
+                batch, n = [], min(size, n * 2)
+    if batch:
+        yield batch
 
 
 def _stored_changes(rows: list[StoredRow]) -> list[Change]:
