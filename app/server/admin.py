@@ -1,10 +1,11 @@
-"""Password-protected admin endpoints: ``/statz`` and ``/profile`` (spec/wire.md §4).
+"""Password-protected admin endpoints: ``/statz``, ``/profz`` (alias ``/profile``)
+and ``/heapz`` (spec/wire.md §4).
 
 **Credentials** (§4.2). HTTP Basic only; the username is ignored. Two passwords:
 
 * the *admin* password (``ZERO_ADMIN_PASSWORD``) grants every endpoint;
 * the optional *operator* password grants only endpoints declared
-  ``Role.OPERATOR`` — the read-only ones. Both endpoints here are read-only, so
+  ``Role.OPERATOR`` — the read-only ones. All endpoints here are read-only, so
   today the operator password opens everything this module serves; an endpoint
   that changes state must be declared ``Role.ADMIN``, and then only the admin
   password opens it.
@@ -14,7 +15,8 @@ Without credentials, with no admin password and in development mode
 an unset admin password denies everything, and outside development the process
 must refuse to start (:func:`check_startup`). Passwords are compared in constant
 time. A denial is ``401 Unauthorized`` with ``WWW-Authenticate: Basic
-realm="Statz Protected Area"`` (resp. ``"Profile Protected Area"``).
+realm="Statz Protected Area"`` (resp. ``"Profz"``, ``"Profile"``, ``"Heapz Protected
+Area"``).
 
 **GET /statz** — stats by group (``changeLog``, ``replication``, ``backup``, ``os``,
 ``speedups`` from :func:`service_stats`). ``group=`` picks groups (comma list or repeated; unknown
@@ -27,18 +29,32 @@ present: indented), anything else ``text/plain``::
 
 A group that fails to compute reports ``{"error": "..."}``; the request succeeds.
 
-**GET /profile?seconds=N** (N an integer 1..60, default 5) — profiles the event
-loop's thread with :mod:`cProfile` for N seconds (everything the service does runs
-on that thread; database driver threads are not included) and answers the
-``pstats`` data as an attachment ``changestreamer-<UTC timestamp>.pstats``. One
+**GET /profz?seconds=N** (or ``duration=N``; an integer, clamped to 1..60 as
+zero-cache clamps it, default 5; ``/profile`` is the same endpoint) — profiles the
+event loop's thread with :mod:`cProfile` for N seconds (everything the service does
+runs on that thread; database driver threads are not included) and answers the
+``pstats`` data as an attachment ``changestreamer-<UTC timestamp>.pstats``. This is
+what a view-syncer's ``/profrmz`` fetches and passes on. ``worker=`` may name
+``change-streamer`` (the only worker this process profiles; any other name is a
+404 with a JSON error, as zero-cache answers a worker that produced nothing). One
 profile at a time (409 otherwise). Read it with::
 
-    curl -u :$ZERO_ADMIN_PASSWORD -OJ 'http://host:4849/profile?seconds=10'
+    curl -u :$ZERO_ADMIN_PASSWORD -OJ 'http://host:4849/profz?seconds=10'
     python -m pstats changestreamer-20260101T120000Z.pstats   # then: sort cumtime / stats 30
     snakeviz changestreamer-20260101T120000Z.pstats            # a flame graph in the browser
 
 or ``pstats.Stats(path).sort_stats("cumtime").print_stats(30)``. The file is
 Python's marshal format: read it with the same Python minor version.
+
+**GET /heapz** — what the heap holds, as text (:mod:`app.server.heap`): objects by
+type, and with ``seconds=N`` (1..60) the allocations made during an N-second
+``tracemalloc`` window that are still held; ``dump`` present answers that
+window's full snapshot instead (``changestreamer-<UTC timestamp>.tracemalloc``,
+read with ``tracemalloc.Snapshot.load``; ``seconds`` defaults to 5 then). One
+window at a time (409 otherwise)::
+
+    curl -u :$ZERO_ADMIN_PASSWORD 'http://host:4849/heapz?seconds=30'
+    curl -u :$ZERO_ADMIN_PASSWORD -OJ 'http://host:4849/heapz?seconds=30&dump'
 """
 
 from __future__ import annotations
@@ -71,6 +87,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from app import speedups
 from app.protocol.canonical_json import dumps
+from app.server.heap import HeapBusy, HeapTracer, dump_bytes, render_report
 from app.server.metrics import latest_lag_report
 from app.streamer.service import ChangeStreamerService
 
@@ -78,6 +95,9 @@ log = logging.getLogger(__name__)
 
 STATZ_REALM = "Statz Protected Area"
 PROFILE_REALM = "Profile Protected Area"
+PROFZ_REALM = "Profz Protected Area"
+HEAPZ_REALM = "Heapz Protected Area"
+PROFILE_WORKER = "change-streamer"  # the one worker /profz profiles (zero's name for it)
 STARTUP_ERROR = "ZERO_ADMIN_PASSWORD is required outside development mode (NODE_ENV=development)"
 
 DEFAULT_PROFILE_SECONDS = 5
@@ -295,13 +315,24 @@ class LoopProfiler:
 _SECONDS = re.compile(r"[0-9]{1,9}")
 
 
-def _profile_seconds(raw: str | None) -> int | None:
+def profile_seconds(raw: str | None, default: int = DEFAULT_PROFILE_SECONDS) -> int | None:
+    """``raw`` as a number of seconds clamped to 1..MAX_PROFILE_SECONDS (zero-cache
+    clamps); ``default`` when absent; None when it is not a plain integer."""
     if raw is None:
-        return DEFAULT_PROFILE_SECONDS
+        return default
     if not _SECONDS.fullmatch(raw):
         return None
-    seconds = int(raw)
-    return seconds if 1 <= seconds <= MAX_PROFILE_SECONDS else None
+    return max(1, min(MAX_PROFILE_SECONDS, int(raw)))
+
+
+def _seconds_error(name: str, default: int) -> JSONResponse:
+    return JSONResponse(
+        {
+            "error": f"{name} must be an integer (clamped to 1..{MAX_PROFILE_SECONDS}; "
+            f"default {default})"
+        },
+        status_code=400,
+    )
 
 
 # ----------------------------------------------------------------------
@@ -313,10 +344,13 @@ def admin_router(
     stats: StatsSource,
     *,
     profiler: LoopProfiler | None = None,
+    heap: HeapTracer | None = None,
 ) -> APIRouter:
-    """``GET /statz`` and ``GET /profile``, both read-only (``Role.OPERATOR``)."""
+    """``GET /statz``, ``/profz`` (and ``/profile``) and ``/heapz``, all read-only
+    (``Role.OPERATOR``)."""
     router = APIRouter()
     loop_profiler = profiler or LoopProfiler()
+    heap_tracer = heap or HeapTracer()
 
     @router.get("/statz")
     async def statz(request: Request) -> Response:
@@ -340,19 +374,23 @@ def admin_router(
             return Response(body, media_type="application/json")
         return PlainTextResponse(render_text(groups))
 
-    @router.get("/profile")
-    async def profile(request: Request) -> Response:
-        denied = auth.denial(request, PROFILE_REALM, Role.OPERATOR)
+    async def profile(request: Request, realm: str) -> Response:
+        denied = auth.denial(request, realm, Role.OPERATOR)
         if denied is not None:
             return denied
-        seconds = _profile_seconds(request.query_params.get("seconds"))
+        params = request.query_params
+        name = "duration" if "duration" in params and "seconds" not in params else "seconds"
+        seconds = profile_seconds(params.get(name))
         if seconds is None:
+            return _seconds_error(name, DEFAULT_PROFILE_SECONDS)
+        worker = params.get("worker")
+        if worker is not None and worker != PROFILE_WORKER:
             return JSONResponse(
                 {
-                    "error": "seconds must be an integer from 1 to "
-                    f"{MAX_PROFILE_SECONDS} (default {DEFAULT_PROFILE_SECONDS})"
+                    "error": f"no profile from worker {worker!r}: this process profiles "
+                    f"{PROFILE_WORKER!r}"
                 },
-                status_code=400,
+                status_code=404,
             )
         started = datetime.now(UTC)
         try:
@@ -360,13 +398,48 @@ def admin_router(
         except ProfilerBusy as e:
             return JSONResponse({"error": str(e)}, status_code=409)
         filename = f"changestreamer-{started.strftime('%Y%m%dT%H%M%SZ')}.pstats"
-        return Response(
-            data,
-            media_type="application/octet-stream",
-            headers={"Content-Disposition": f'attachment; filename="{filename}"'},
-        )
+        return _attachment(data, filename)
+
+    @router.get("/profz")
+    async def profz(request: Request) -> Response:
+        return await profile(request, PROFZ_REALM)
+
+    @router.get("/profile")
+    async def profile_alias(request: Request) -> Response:
+        return await profile(request, PROFILE_REALM)
+
+    @router.get("/heapz")
+    async def heapz(request: Request) -> Response:
+        denied = auth.denial(request, HEAPZ_REALM, Role.OPERATOR)
+        if denied is not None:
+            return denied
+        params = request.query_params
+        dump = "dump" in params
+        default = DEFAULT_PROFILE_SECONDS if dump else 0
+        raw = params.get("seconds")
+        seconds = default if raw is None else profile_seconds(raw)
+        if seconds is None:
+            return _seconds_error("seconds", default)
+        started = datetime.now(UTC)
+        try:
+            snapshot = await heap_tracer.snapshot(seconds)
+        except HeapBusy as e:
+            return JSONResponse({"error": str(e)}, status_code=409)
+        if dump:
+            assert snapshot is not None  # seconds >= 1 when dumping
+            filename = f"changestreamer-{started.strftime('%Y%m%dT%H%M%SZ')}.tracemalloc"
+            return _attachment(await asyncio.to_thread(dump_bytes, snapshot), filename)
+        return PlainTextResponse(render_report(snapshot, seconds))
 
     return router
+
+
+def _attachment(data: bytes, filename: str) -> Response:
+    return Response(
+        data,
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+    )
 
 
 def _requested_groups(values: list[str]) -> frozenset[str] | None:

@@ -7,8 +7,10 @@ import asyncio
 import base64
 import json
 import logging
+import marshal
 import pstats
 import re
+import tracemalloc
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -29,9 +31,11 @@ from app.server.admin import (
     Role,
     admin_router,
     check_startup,
+    profile_seconds,
     render_text,
     service_stats,
 )
+from app.server.heap import HeapTracer
 from app.sources.postgres import mapper as pg_mapper
 from app.streamer import rowrun, subscriber
 from app.streamer.service import ChangeStreamerService, SubscriberContext
@@ -430,13 +434,38 @@ async def test_profile_returns_a_pstats_attachment_that_loads(tmp_path: Path) ->
     assert "sleep" in functions  # the profiled request itself awaited asyncio.sleep
 
 
-async def test_profile_seconds_must_be_an_integer_from_1_to_60() -> None:
-    bad = ["0", "61", "abc", "1.5", "-1", "", "+5", "5_0", " 5", "100"]
+async def test_profile_seconds_must_be_an_integer() -> None:
+    bad = ["abc", "1.5", "-1", "", "+5", "5_0", " 5", "9999999999"]
     async with serve(admin_app(PRODUCTION)) as url:
-        replies = [await get(url + f"/profile?seconds={urllib.parse.quote(s)}", ADMIN) for s in bad]
+        replies = [await get(url + f"/profz?seconds={urllib.parse.quote(s)}", ADMIN) for s in bad]
+        duration = await get(url + "/profz?duration=x", ADMIN)
     for seconds, reply in zip(bad, replies, strict=True):
         assert reply.status == 400, seconds
-        assert reply.json() == {"error": "seconds must be an integer from 1 to 60 (default 5)"}
+        assert reply.json() == {"error": "seconds must be an integer (clamped to 1..60; default 5)"}
+    assert duration.json() == {"error": "duration must be an integer (clamped to 1..60; default 5)"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "seconds"), [(None, 5), ("0", 1), ("1", 1), ("60", 60), ("61", 60), ("100", 60)]
+)
+def test_profile_seconds_are_clamped_as_zero_clamps_them(raw: str | None, seconds: int) -> None:
+    assert profile_seconds(raw) == seconds
+
+
+async def test_profz_is_the_profile_zero_cache_fetches_and_takes_duration() -> None:
+    async with serve(admin_app(PRODUCTION)) as url:
+        denied = await get(url + "/profz")
+        reply = await get(url + "/profz?duration=1&worker=change-streamer", OPERATOR)
+        other = await get(url + "/profz?seconds=1&worker=syncer", ADMIN)
+    assert denied.status == 401
+    assert denied.headers["WWW-Authenticate"] == 'Basic realm="Profz Protected Area"'
+    assert reply.status == 200
+    assert reply.headers["Content-Disposition"].endswith('.pstats"')
+    assert marshal.loads(reply.body)  # pstats data: {function: stats}
+    assert other.status == 404
+    assert other.json() == {
+        "error": "no profile from worker 'syncer': this process profiles 'change-streamer'"
+    }
 
 
 async def test_profile_checks_credentials_before_the_query() -> None:
@@ -460,3 +489,88 @@ async def test_a_second_profile_while_one_runs_is_409() -> None:
     assert second.json() == {"error": "a profile is already being captured"}
     assert done.status == 200
     assert not profiler.busy
+
+
+# -- /heapz ---------------------------------------------------------------------------
+
+
+class _Held:
+    """Objects a test allocates in a tracing window (found by their type's name)."""
+
+
+async def test_heapz_counts_objects_by_type_and_asks_for_a_window() -> None:
+    held = [_Held() for _ in range(5000)]
+    async with serve(admin_app(PRODUCTION)) as url:
+        denied = await get(url + "/heapz")
+        reply = await get(url + "/heapz", OPERATOR)
+    assert denied.status == 401
+    assert denied.headers["WWW-Authenticate"] == 'Basic realm="Heapz Protected Area"'
+    assert reply.status == 200
+    assert reply.headers.get_content_type() == "text/plain"
+    lines = reply.text.splitlines()
+    assert lines[0] == "=== objects by type (tracked by the garbage collector) ==="
+    counted = [line for line in lines if line.endswith("  _Held")]
+    assert counted
+    assert int(counted[0].split()[0]) >= 5000
+    assert "not traced: ask for a window with ?seconds=N (1 to 60)" in lines
+    del held
+
+
+async def test_heapz_window_shows_what_was_allocated_during_it_and_is_still_held() -> None:
+    held: list[bytes] = []
+
+    async def allocate() -> None:
+        await asyncio.sleep(0.3)  # inside the window
+        held.extend(bytes(1000) + bytes([i % 256]) for i in range(2000))  # ~2 MB here
+
+    async with serve(admin_app(PRODUCTION)) as url:
+        allocating = asyncio.create_task(allocate())
+        reply = await get(url + "/heapz?seconds=1", ADMIN)
+        await allocating
+    assert reply.status == 200
+    text = reply.text
+    assert "=== allocations still held, made since the last 1 s (tracemalloc) ===" in text
+    ours = [line for line in text.splitlines() if "test_admin.py" in line]
+    assert ours, text
+    assert float(ours[0].split()[0]) > 1500  # KiB: the ~2 MB allocated above
+    assert not tracemalloc.is_tracing()  # the window closed
+
+
+async def test_heapz_dump_is_a_snapshot_tracemalloc_loads(tmp_path: Path) -> None:
+    async with serve(admin_app(PRODUCTION)) as url:
+        reply = await get(url + "/heapz?seconds=1&dump", ADMIN)
+        bad = await get(url + "/heapz?seconds=x", ADMIN)
+    assert reply.status == 200
+    match = re.fullmatch(
+        r'attachment; filename="(changestreamer-\d{8}T\d{6}Z\.tracemalloc)"',
+        reply.headers["Content-Disposition"],
+    )
+    assert match is not None
+    path = tmp_path / match.group(1)
+    path.write_bytes(reply.body)
+    snapshot = tracemalloc.Snapshot.load(str(path))
+    assert snapshot.traceback_limit == 25
+    assert bad.status == 400
+    assert bad.json() == {"error": "seconds must be an integer (clamped to 1..60; default 0)"}
+
+
+async def test_a_second_heap_window_while_one_is_open_is_409() -> None:
+    tracer = HeapTracer()
+    app = FastAPI()
+
+    async def os_only() -> dict[str, dict[str, Any]]:
+        return await service_stats(None)
+
+    app.include_router(admin_router(PRODUCTION, os_only, heap=tracer))
+    async with serve(app) as url:
+        first = asyncio.create_task(get(url + "/heapz?seconds=1", ADMIN))
+        for _ in range(1000):
+            if tracer.busy or first.done():
+                break
+            await asyncio.sleep(0.01)
+        assert tracer.busy
+        second = await get(url + "/heapz?seconds=1", ADMIN)
+        done = await first
+    assert second.status == 409
+    assert second.json() == {"error": "a heap tracing window is already open"}
+    assert done.status == 200
