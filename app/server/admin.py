@@ -18,10 +18,11 @@ time. A denial is ``401 Unauthorized`` with ``WWW-Authenticate: Basic
 realm="Statz Protected Area"`` (resp. ``"Profz"``, ``"Profile"``, ``"Heapz Protected
 Area"``).
 
-**GET /statz** — stats by group (``changeLog``, ``replication``, ``backup``, ``os``,
-``speedups`` from :func:`service_stats`). ``group=`` picks groups (comma list or repeated; unknown
-names ignored; default all); ``format=json`` answers ``{group: stats}`` (``pretty``
-present: indented), anything else ``text/plain``::
+**GET /statz** — stats by group (``upstream``, ``changeLog``, ``replica``,
+``replication``, ``backup``, ``os``, ``speedups`` from :func:`service_stats`).
+``group=`` picks groups (comma list or repeated; unknown names ignored; default
+all); ``format=json`` answers ``{group: stats}`` (``pretty`` present: indented),
+anything else ``text/plain``::
 
     === changeLog ===
     rows: 1234
@@ -74,6 +75,7 @@ import os
 import platform
 import re
 import resource
+import sqlite3
 import sys
 import threading
 import time
@@ -87,6 +89,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from app import speedups
 from app.protocol.canonical_json import dumps
+from app.replica.schema import read_replica_state
 from app.server.heap import HeapBusy, HeapTracer, dump_bytes, render_report
 from app.server.metrics import latest_lag_report
 from app.streamer.service import ChangeStreamerService
@@ -106,7 +109,8 @@ MAX_PROFILE_SECONDS = 60
 # change DB must not hang the admin endpoint).
 GROUP_TIMEOUT_S = 10.0
 
-StatsSource = Callable[[], Awaitable[dict[str, dict[str, Any]]]]
+# The stats groups asked for (None: all) -> {group: stats}.
+StatsSource = Callable[[frozenset[str] | None], Awaitable[dict[str, dict[str, Any]]]]
 
 _PROCESS_IMPORTED_AT = time.monotonic()
 
@@ -358,12 +362,12 @@ def admin_router(
         if denied is not None:
             return denied
         params = request.query_params
+        requested = _requested_groups(params.getlist("group"))
         try:
-            groups = await stats()
+            groups = await stats(requested)
         except Exception as e:
             log.exception("collecting stats failed")
             return JSONResponse({"error": f"collecting stats failed: {_describe(e)}"}, 500)
-        requested = _requested_groups(params.getlist("group"))
         if requested is not None:
             groups = {name: values for name, values in groups.items() if name in requested}
         if params.get("format") == "json":
@@ -461,15 +465,25 @@ def render_text(groups: dict[str, dict[str, Any]]) -> str:
 # The stats of a change-streamer.
 
 
-async def service_stats(service: ChangeStreamerService | None) -> dict[str, dict[str, Any]]:
-    """The ``changeLog``, ``replication``, ``backup``, ``os`` and ``speedups`` groups;
-    each fails on its own."""
+async def service_stats(
+    service: ChangeStreamerService | None, groups: frozenset[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The ``upstream``, ``changeLog``, ``replica``, ``replication``, ``backup``,
+    ``os`` and ``speedups`` groups, or those of them in ``groups``; each fails on its
+    own. Only the groups asked for are computed (``upstream`` opens a connection)."""
+    sources: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
+        "upstream": lambda: _running(service).upstream_stats(),
+        "changeLog": lambda: _change_log_stats(service),
+        "replica": lambda: _replica_stats(service),
+        "replication": lambda: _replication_stats(service),
+        "backup": lambda: _backup_stats(service),
+        "os": _os_stats_async,
+        "speedups": _speedups_stats_async,
+    }
     return {
-        "changeLog": await _guarded(lambda: _change_log_stats(service)),
-        "replication": await _guarded(lambda: _replication_stats(service)),
-        "backup": await _guarded(lambda: _backup_stats(service)),
-        "os": await _guarded(_os_stats_async),
-        "speedups": await _guarded(_speedups_stats_async),
+        name: await _guarded(compute)
+        for name, compute in sources.items()
+        if groups is None or name in groups
     }
 
 
@@ -503,6 +517,40 @@ async def _change_log_stats(service: ChangeStreamerService | None) -> dict[str, 
         # SQLite's group commits: their process (None: in the service itself).
         "writerProcess": None if writer is None else {"pid": writer.pid, "starts": writer.starts},
     }
+
+
+async def _replica_stats(service: ChangeStreamerService | None) -> dict[str, Any]:
+    path = _running(service).options.replica_file
+    if path is None:
+        return {"file": None}  # a service without a replica of its own
+    return await asyncio.to_thread(replica_file_stats, path)
+
+
+def replica_file_stats(path: str) -> dict[str, Any]:
+    """The replica file as zero-cache's ``replica`` group shows it, read-only: its
+    pragmas (not ``wal_checkpoint``, which would checkpoint: litestream owns
+    checkpoints while it backs the file up), its versions and its files' sizes."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    try:
+
+        def pragma(name: str) -> Any:
+            row = conn.execute(f"PRAGMA {name}").fetchone()
+            return None if row is None else row[0]
+
+        stats: dict[str, Any] = {"file": path}
+        for name in ("page count", "page size", "journal mode", "auto vacuum", "freelist count"):
+            stats[name] = pragma(name.replace(" ", "_"))
+        state = read_replica_state(conn)
+        stats["replicaVersion"] = state.replica_version
+        stats["stateVersion"] = state.state_version
+    finally:
+        conn.close()
+    stats["db file stats"] = {
+        "size": os.stat(path).st_size,
+        "walSize": os.stat(path + "-wal").st_size if os.path.exists(path + "-wal") else 0,
+        "mtime": os.stat(path).st_mtime,
+    }
+    return stats
 
 
 async def _backup_stats(service: ChangeStreamerService | None) -> dict[str, Any]:

@@ -108,7 +108,7 @@ def create_app(
     app.include_router(
         admin_router(
             auth or AdminAuth(None, None, development=True),
-            lambda: service_stats(holder.service),
+            lambda groups: service_stats(holder.service, groups),
         )
     )
     app.include_router(metrics_router(lambda: holder.service, connection_limits=connection_limits))

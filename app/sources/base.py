@@ -57,6 +57,8 @@ class ChangeStream(abc.ABC):
 class ChangeSource(abc.ABC):
     """Starts upstream connections."""
 
+    upstream_type = "unknown"
+
     @abc.abstractmethod
     async def start_stream(
         self, after_watermark: str, backfill_requests: list[BackfillRequest]
@@ -65,6 +67,10 @@ class ChangeSource(abc.ABC):
 
     async def stop(self) -> None:  # noqa: B027 - most sources hold nothing between streams
         """Releases whatever the source holds between streams."""
+
+    async def stats(self) -> dict[str, Any]:
+        """What ``/statz``'s ``upstream`` group shows of this source."""
+        return {"type": self.upstream_type}
 
     def start_lag_reporter(self) -> dict[str, Any] | None:
         """Starts lag reports if the source has them; returns the first ``{"nextSendTimeMs"}``."""

@@ -138,6 +138,8 @@ def _preview(text: str, limit: int = 80) -> str:
 class CustomChangeSource(ChangeSource):
     """Opens one websocket per stream to a custom change source."""
 
+    upstream_type = "custom"  # /statz upstream group
+
     def __init__(
         self,
         url: str,

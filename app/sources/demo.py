@@ -122,6 +122,8 @@ def _wall_ms() -> float:
 class DemoChangeSource(ChangeSource):
     """Generates transactions for one stream at a time (a new stream closes the old one)."""
 
+    upstream_type = "demo"  # /statz upstream group
+
     def __init__(
         self,
         state_file: Path,

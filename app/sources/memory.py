@@ -134,6 +134,8 @@ class MemoryChangeStream(ChangeStream):
 class MemoryChangeSource(ChangeSource):
     """Creates scripted streams; can be told to refuse the next starts."""
 
+    upstream_type = "memory"  # /statz upstream group
+
     def __init__(self, *, max_queued: int = DEFAULT_MAX_QUEUED) -> None:
         self.streams: list[MemoryChangeStream] = []
         self.start_calls: list[str] = []  # after_watermark of every call, failed ones too

@@ -679,6 +679,10 @@ class ChangeStreamerService:
             return f"snapshot reservation open for {', '.join(sorted(tasks))}"
         return None
 
+    async def upstream_stats(self) -> dict[str, Any]:
+        """``/statz``'s ``upstream`` group: what the change source says of itself."""
+        return await self._source.stats()
+
     def _replica_size(self) -> int | None:
         if self.options.replica_file is None:
             return None

@@ -33,6 +33,7 @@ from app.server.admin import (
     check_startup,
     profile_seconds,
     render_text,
+    replica_file_stats,
     service_stats,
 )
 from app.server.heap import HeapTracer
@@ -49,7 +50,7 @@ OPERATOR = "op-password"
 STATZ_CHALLENGE = 'Basic realm="Statz Protected Area"'
 PROFILE_CHALLENGE = 'Basic realm="Profile Protected Area"'
 
-Stats = Callable[[], Awaitable[dict[str, dict[str, Any]]]]
+Stats = Callable[[frozenset[str] | None], Awaitable[dict[str, dict[str, Any]]]]
 
 # -- a real server on loopback -------------------------------------------------
 
@@ -85,8 +86,8 @@ def admin_app(
     stats: Stats | None = None,
     profiler: LoopProfiler | None = None,
 ) -> FastAPI:
-    async def os_only() -> dict[str, dict[str, Any]]:
-        return await service_stats(None)
+    async def os_only(groups: frozenset[str] | None) -> dict[str, dict[str, Any]]:
+        return await service_stats(None, groups)
 
     app = FastAPI()
     app.include_router(admin_router(auth, stats or os_only, profiler=profiler))
@@ -250,13 +251,21 @@ def test_password_rules(auth: AdminAuth, header: str | None, role: Role, allowed
 async def test_statz_text_has_a_section_per_group_with_key_value_lines(
     service: ChangeStreamerService,
 ) -> None:
-    app = admin_app(PRODUCTION, lambda: service_stats(service))
+    app = admin_app(PRODUCTION, lambda groups: service_stats(service, groups))
     async with serve(app) as url:
         reply = await get(url + "/statz", ADMIN)
     assert reply.status == 200
     assert reply.headers.get_content_type() == "text/plain"
     headings = re.findall(r"^=== (\w+) ===$", reply.text, re.MULTILINE)
-    assert headings == ["changeLog", "replication", "backup", "os", "speedups"]
+    assert headings == [
+        "upstream",
+        "changeLog",
+        "replica",
+        "replication",
+        "backup",
+        "os",
+        "speedups",
+    ]
     change_log = reply.text.split("=== changeLog ===\n")[1].split("\n\n")[0]
     lines = change_log.splitlines()
     assert re.fullmatch(r"bytes: [1-9]\d*", lines.pop(3)), change_log  # pages in use
@@ -282,14 +291,24 @@ async def test_statz_json_holds_the_change_streamer_groups(
             watermark=REPLICA_VERSION,
         )
     )
-    app = admin_app(PRODUCTION, lambda: service_stats(service))
+    app = admin_app(PRODUCTION, lambda groups: service_stats(service, groups))
     async with serve(app) as url:
         reply = await get(url + "/statz?format=json", ADMIN)
     assert reply.status == 200
     assert reply.headers.get_content_type() == "application/json"
     assert b"\n" not in reply.body  # compact unless pretty
     stats = reply.json()
-    assert list(stats) == ["changeLog", "replication", "backup", "os", "speedups"]
+    assert list(stats) == [
+        "upstream",
+        "changeLog",
+        "replica",
+        "replication",
+        "backup",
+        "os",
+        "speedups",
+    ]
+    assert stats["upstream"] == {"type": "memory"}  # the test's in-memory change source
+    assert stats["replica"] == {"file": None}
     writer = stats["changeLog"].pop("writerProcess")
     assert stats["changeLog"].pop("bytes") > 0
     assert stats["changeLog"] == {"rows": 2, "minWatermark": "01", "maxWatermark": "01"}
@@ -321,7 +340,7 @@ async def test_statz_json_holds_the_change_streamer_groups(
 async def test_statz_says_which_speedups_run_as_json_and_text(
     service: ChangeStreamerService,
 ) -> None:
-    app = admin_app(PRODUCTION, lambda: service_stats(service))
+    app = admin_app(PRODUCTION, lambda groups: service_stats(service, groups))
     async with serve(app) as url:
         reply = await get(url + "/statz?format=json&group=speedups", ADMIN)
         text = await get(url + "/statz?group=speedups", ADMIN)
@@ -348,7 +367,7 @@ async def test_statz_says_which_speedups_run_as_json_and_text(
 async def test_statz_group_filter_takes_comma_lists_and_repeats_and_ignores_unknowns(
     service: ChangeStreamerService,
 ) -> None:
-    app = admin_app(PRODUCTION, lambda: service_stats(service))
+    app = admin_app(PRODUCTION, lambda groups: service_stats(service, groups))
     async with serve(app) as url:
         comma = await get(url + "/statz?format=json&group=os,changeLog", ADMIN)
         repeated = await get(url + "/statz?format=json&group=os&group=changeLog", ADMIN)
@@ -361,7 +380,7 @@ async def test_statz_group_filter_takes_comma_lists_and_repeats_and_ignores_unkn
 
 
 async def test_statz_pretty_indents_json_by_two_spaces() -> None:
-    async def stats() -> dict[str, dict[str, Any]]:
+    async def stats(_groups: frozenset[str] | None) -> dict[str, dict[str, Any]]:
         return {"g": {"a": 1, "b": [1, 2]}}
 
     async with serve(admin_app(PRODUCTION, stats)) as url:
@@ -379,7 +398,7 @@ async def test_a_failing_group_reports_its_error_and_the_rest_still_answers(
         raise RuntimeError("change DB unreachable")
 
     monkeypatch.setattr(service.change_log, "count", broken_count)
-    app = admin_app(PRODUCTION, lambda: service_stats(service))
+    app = admin_app(PRODUCTION, lambda groups: service_stats(service, groups))
     async with serve(app) as url:
         reply = await get(url + "/statz?format=json", ADMIN)
         text = await get(url + "/statz?group=changeLog", ADMIN)
@@ -399,7 +418,7 @@ async def test_without_a_service_the_streamer_groups_report_it_and_os_still_answ
 
 
 async def test_statz_answers_500_when_the_stats_source_itself_fails() -> None:
-    async def stats() -> dict[str, dict[str, Any]]:
+    async def stats(_groups: frozenset[str] | None) -> dict[str, dict[str, Any]]:
         raise RuntimeError("no stats")
 
     async with serve(admin_app(PRODUCTION, stats)) as url:
@@ -558,8 +577,8 @@ async def test_a_second_heap_window_while_one_is_open_is_409() -> None:
     tracer = HeapTracer()
     app = FastAPI()
 
-    async def os_only() -> dict[str, dict[str, Any]]:
-        return await service_stats(None)
+    async def os_only(groups: frozenset[str] | None) -> dict[str, dict[str, Any]]:
+        return await service_stats(None, groups)
 
     app.include_router(admin_router(PRODUCTION, os_only, heap=tracer))
     async with serve(app) as url:
@@ -574,3 +593,34 @@ async def test_a_second_heap_window_while_one_is_open_is_409() -> None:
     assert second.status == 409
     assert second.json() == {"error": "a heap tracing window is already open"}
     assert done.status == 200
+
+
+def test_the_replica_group_reads_the_file_without_writing_it(tmp_path: Path) -> None:
+    from tests.replica.conftest import new_replica
+
+    path = new_replica(tmp_path / "replica.db")
+    before = path.read_bytes()
+    stats = replica_file_stats(str(path))
+    size = stats.pop("db file stats")
+    assert size["size"] == len(before)
+    assert size["walSize"] >= 0
+    assert stats["file"] == str(path)
+    assert stats["page size"] > 0
+    assert stats["page count"] * stats["page size"] == len(before)
+    assert stats["journal mode"] == "wal"
+    assert (stats["replicaVersion"], stats["stateVersion"]) == ("01", "01")
+    assert path.read_bytes() == before
+
+
+async def test_only_the_groups_asked_for_are_computed(service: ChangeStreamerService) -> None:
+    asked: list[frozenset[str] | None] = []
+
+    async def counting(groups: frozenset[str] | None) -> dict[str, dict[str, Any]]:
+        asked.append(groups)
+        return await service_stats(service, groups)
+
+    async with serve(admin_app(PRODUCTION, counting)) as url:
+        reply = await get(url + "/statz?format=json&group=os,replication", ADMIN)
+    assert list(reply.json()) == ["replication", "os"]
+    assert asked == [frozenset({"os", "replication"})]
+    assert list(await service_stats(service, frozenset({"upstream"}))) == ["upstream"]

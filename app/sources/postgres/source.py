@@ -57,6 +57,7 @@ from app.sources.postgres.pgoutput import (
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import drop_old_replicas_and_slots
 from app.sources.postgres.standby import StandbyAcker
+from app.sources.postgres.stats import upstream_stats
 from app.sources.postgres.values import TypeRegistry, load_type_registry
 from app.storage.errors import AbortError
 
@@ -111,10 +112,16 @@ class PostgresSourceOptions:
 
 
 class PostgresChangeSource(ChangeSource):
+    upstream_type = "pg"  # /statz upstream group
+
     def __init__(self, upstream_url: str, options: PostgresSourceOptions) -> None:
         self._url = upstream_url
         self._options = options
         self._registry: TypeRegistry | None = None
+
+    async def stats(self) -> dict[str, Any]:
+        opts = self._options
+        return await upstream_stats(self._url, ShardConfig(opts.app_id, opts.shard_num))
 
     async def start_stream(
         self, after_watermark: str, backfill_requests: list[BackfillRequest]

@@ -29,6 +29,7 @@ from app.sources.postgres.slots import (
     slot_pool_suffix,
     slot_status,
 )
+from app.sources.postgres.stats import upstream_stats
 from app.storage.errors import AutoResetSignal
 
 
@@ -260,3 +261,31 @@ async def test_drop_slot_ends_the_backend_streaming_from_it(
 
     assert (await slot_health(conn, slot.slot_name)).status == "missing"
     assert await drop_slot(db_url, slot.slot_name) is True  # already gone: still fine
+
+
+async def test_the_upstream_stats_count_the_shard_and_show_the_wal_each_slot_retains(
+    conn: psycopg.AsyncConnection[Any], db_url: str, cfg: ShardConfig
+) -> None:
+    slot = await create_replication_slot(db_url, cfg)
+    await slot.close()
+    await conn.execute(
+        f'INSERT INTO "{cfg.shard_schema}"."clients" VALUES '
+        "(%s, %s, %s, NULL), (%s, %s, %s, NULL)".encode(),
+        ["g1", "c1", 3, "g1", "c2", 4],
+    )
+    before = await upstream_stats(db_url, cfg)
+    for i in range(200):  # WAL the slot must keep: nothing consumes it
+        await conn.execute("INSERT INTO foo VALUES (%s, repeat('x', 1000))", [100 + i])
+    after = await upstream_stats(db_url, cfg)
+    assert {k: v for k, v in after.items() if k != "slots"} == {
+        "type": "pg",
+        "numReplicas": 1,
+        "numClientsWithMutations": 2,
+        "numMutationsProcessed": 7,
+    }
+    [was], [now] = before["slots"], after["slots"]
+    assert now["name"] == slot.slot_name
+    assert now["active"] is False
+    assert now["restartLSN"] == was["restartLSN"]
+    assert now["retainedWalBytes"] >= was["retainedWalBytes"] + 200_000
+    assert now["unconfirmedWalBytes"] >= was["unconfirmedWalBytes"] + 200_000
