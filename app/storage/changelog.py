@@ -13,7 +13,7 @@ head never disagree.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -80,6 +80,13 @@ class ChangeLog:
     def __init__(self, db: ChangeDb) -> None:
         self._db = db
         self._fast = FastPath(db)
+        # Told of a purge before it deletes (the storer's in-memory tail must not
+        # keep serving what the log no longer has).
+        self._before_purge: list[Callable[[str], None]] = []
+
+    def before_purge(self, callback: Callable[[str], None]) -> None:
+        """Calls ``callback(watermark)`` at the start of every ``purge_before``."""
+        self._before_purge.append(callback)
 
     @property
     def db(self) -> ChangeDb:
@@ -208,6 +215,8 @@ class ChangeLog:
         holds the purge lock (Postgres) and ``OwnershipLostError`` if ``owner`` no
         longer owns the log (nothing is deleted then). Returns the rows deleted.
         """
+        for callback in self._before_purge:
+            callback(watermark)
         async with self._db.writer.connect() as conn, conn.begin():
             if self._db.dialect == "postgresql":
                 await _lock_first_row_nowait(conn)

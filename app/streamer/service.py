@@ -194,14 +194,8 @@ class ChangeStreamerService:
             max_open_s=self.options.reservation_max_s,
         )
 
-        async def purge_before(watermark: str) -> int:
-            # The storer's in-memory tail first: a catch-up must not find there
-            # what the change log no longer has.
-            self.storer.forget_before(watermark)
-            return await self.change_log.purge_before(watermark, task_id)
-
         self.purger = Purger(
-            purge_before,
+            lambda w: self.change_log.purge_before(w, task_id),
             self.forwarder.acks,
             self.reservations.reserved_watermarks,
             self._timers,

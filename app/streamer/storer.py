@@ -174,6 +174,7 @@ class Storer:
         self._reading = asyncio.Semaphore(max_concurrent_catchups)
         # The last durable transactions, for catch-ups that start among them.
         self._tail = LogTail(tail_bytes)
+        change_log.before_purge(self._tail.forget_before)
         self.catchups_from_memory = 0
         self.catchups_from_log = 0
 
@@ -511,11 +512,6 @@ class Storer:
 
     # ------------------------------------------------------------------
     # Catch-up.
-
-    def forget_before(self, watermark: str) -> None:
-        """Called before a purge below ``watermark``: catch-ups from older
-        watermarks must then find the log purged, as they would without the tail."""
-        self._tail.forget_before(watermark)
 
     def _batches(self, start: str, up_to: str) -> AsyncIterator[list[StoredRow]]:
         """The log's rows from ``start``'s transaction through ``up_to``, in batches

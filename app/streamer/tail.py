@@ -12,9 +12,10 @@ receives is the same either way (``tests/streamer/test_tail.py``).
 
 What it holds is always a contiguous run of whole transactions ending at the
 storer's durable watermark: a transaction too big for the budget, or rows the
-storer did not write itself (another owner's, after a takeover), empty it, and a
-purge drops what is below its floor first, so a watermark the purge made too old
-is refused exactly as before.
+storer did not write itself (another owner's, after a takeover), empty it, and
+every purge of the change log drops what is below its floor first
+(``ChangeLog.before_purge``), so a watermark a purge made too old is refused
+exactly as before.
 """
 
 from __future__ import annotations
