@@ -296,6 +296,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         ws_ping_timeout=60,
         log_level=settings.log_level,
         lifespan="on",
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
     limit_lines()  # after uvicorn configured its loggers (Config does)
     server = uvicorn.Server(config)

@@ -124,6 +124,13 @@ class Settings(BaseModel):
     handshake_timeout_s: FiniteFloat = Field(
         10, gt=0, validation_alias=_env("CHANGESTREAMER_HANDSHAKE_TIMEOUT_SECONDS")
     )
+    # On SIGTERM, requests still running after this long are cancelled (uvicorn's
+    # graceful shutdown waits for them without a bound otherwise: a 60 s /profz
+    # held the exit for a minute). Streams end at once either way; then the
+    # storer drains.
+    shutdown_timeout_s: FiniteFloat = Field(
+        10, gt=0, validation_alias=_env("CHANGESTREAMER_SHUTDOWN_TIMEOUT_SECONDS")
+    )
     # Websocket handshakes (new streams) proceed at most this many a second, bursts of
     # one second's worth; the rest wait their turn (at most the pending bound of them,
     # each at most the handshake timeout, else 503), so churn cannot starve the

@@ -19,6 +19,9 @@ import asyncio
 import contextlib
 import re
 import signal
+import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 
 import psycopg
@@ -237,3 +240,33 @@ async def test_slot_dropped_while_running_without_auto_reset_exits_with_an_error
     code = await serve.wait_exit(timeout_s=15)
     assert code not in (0, -signal.SIGTERM), "a fatal stop must not look like success"
     assert re.search(rf"replication slot {slot} (does not exist|is missing)", serve.output())
+
+
+def _status_of(url: str) -> int | None:
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            url, timeout=90
+        ) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None  # the connection ended without an answer
+
+
+async def test_sigterm_cancels_a_request_still_running_after_the_shutdown_timeout(
+    upstream: str, serve_factory: ServeFactory
+) -> None:
+    serve = await start_ready(upstream, serve_factory, CHANGESTREAMER_SHUTDOWN_TIMEOUT_SECONDS="1")
+    url = f"http://127.0.0.1:{serve.port}/profz?seconds=60"
+    # Two 60 s profiles: one runs, the other is refused (409) once the first began.
+    both = [asyncio.create_task(asyncio.to_thread(_status_of, url)) for _ in range(2)]
+    refused = await eventually(
+        lambda: [t for t in both if t.done() and t.result() == 409], "one profile refused"
+    )
+    [running] = [t for t in both if t not in refused]
+    started = time.monotonic()
+    await serve.terminate(timeout_s=20)  # without the bound it waited out the 60 s
+    assert time.monotonic() - started < 20
+    assert await running != 200
+    assert "timeout graceful shutdown exceeded" in serve.output()
