@@ -128,7 +128,7 @@ class Settings(BaseModel):
     # graceful shutdown waits for them without a bound otherwise: a 60 s /profz
     # held the exit for a minute). Streams end at once either way; then the
     # storer drains.
-    shutdown_timeout_s: FiniteFloat = Field(
+    shutdown_timeout_s: int = Field(  # whole seconds: what uvicorn takes
         10, gt=0, validation_alias=_env("CHANGESTREAMER_SHUTDOWN_TIMEOUT_SECONDS")
     )
     # Websocket handshakes (new streams) proceed at most this many a second, bursts of
