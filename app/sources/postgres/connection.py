@@ -200,7 +200,13 @@ class ReplicationConnection:
         else:
             loop.add_writer(fd, ready)
         try:
-            await asyncio.wait_for(fut, timeout_s)
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that comes
+            # while ``fut`` has just completed (the socket became readable as the
+            # service closed the pump after a failed stream). The pump then read on
+            # into a full buffer that nothing would take, and the service waited on
+            # it forever: the disk_full fault's stall (docs/reliability.md).
+            async with asyncio.timeout(timeout_s):
+                await fut
             return not self._closed
         except TimeoutError:
             return False
