@@ -180,9 +180,9 @@ class Serve:
             self._log = None
 
 
-def _http_status(url: str) -> int | None:
+def _http_status(url: str, timeout_s: float = 2) -> int | None:
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             status: int = response.status
             return status
     except urllib.error.HTTPError as e:

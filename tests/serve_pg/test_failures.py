@@ -20,8 +20,6 @@ import contextlib
 import re
 import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator
 
 import psycopg
@@ -32,6 +30,7 @@ from tests.serve_pg.conftest import (
     Serve,
     ServeFactory,
     Writer,
+    _http_status,
     app_slots,
     create_workload_schema,
     eventually,
@@ -242,25 +241,13 @@ async def test_slot_dropped_while_running_without_auto_reset_exits_with_an_error
     assert re.search(rf"replication slot {slot} (does not exist|is missing)", serve.output())
 
 
-def _status_of(url: str) -> int | None:
-    try:
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-            url, timeout=90
-        ) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return None  # the connection ended without an answer
-
-
 async def test_sigterm_cancels_a_request_still_running_after_the_shutdown_timeout(
     upstream: str, serve_factory: ServeFactory
 ) -> None:
     serve = await start_ready(upstream, serve_factory, CHANGESTREAMER_SHUTDOWN_TIMEOUT_SECONDS="1")
     url = f"http://127.0.0.1:{serve.port}/profz?seconds=60"
     # Two 60 s profiles: one runs, the other is refused (409) once the first began.
-    both = [asyncio.create_task(asyncio.to_thread(_status_of, url)) for _ in range(2)]
+    both = [asyncio.create_task(asyncio.to_thread(_http_status, url, 90)) for _ in range(2)]
     refused = await eventually(
         lambda: [t for t in both if t.done() and t.result() == 409], "one profile refused"
     )

@@ -85,13 +85,31 @@ def admin_app(
     auth: AdminAuth,
     stats: Stats | None = None,
     profiler: LoopProfiler | None = None,
+    heap: HeapTracer | None = None,
 ) -> FastAPI:
     async def os_only(groups: frozenset[str] | None) -> dict[str, dict[str, Any]]:
         return await service_stats(None, groups)
 
     app = FastAPI()
-    app.include_router(admin_router(auth, stats or os_only, profiler=profiler))
+    app.include_router(admin_router(auth, stats or os_only, profiler=profiler, heap=heap))
     return app
+
+
+async def second_while_first_runs(
+    app: FastAPI, path: str, busy: Callable[[], bool], password: str
+) -> tuple[Reply, Reply]:
+    """Starts ``path`` (a one-at-a-time capture), asks again once ``busy()``; the
+    second reply and the first one's."""
+    async with serve(app) as url:
+        first = asyncio.create_task(get(url + path, ADMIN))
+        for _ in range(1000):  # until the first capture has started
+            if busy() or first.done():
+                break
+            await asyncio.sleep(0.01)
+        assert busy()
+        second = await get(url + path, password)
+        done = await first
+    return second, done
 
 
 PRODUCTION = AdminAuth(ADMIN, OPERATOR, development=False)
@@ -495,15 +513,10 @@ async def test_profile_checks_credentials_before_the_query() -> None:
 
 async def test_a_second_profile_while_one_runs_is_409() -> None:
     profiler = LoopProfiler()
-    async with serve(admin_app(PRODUCTION, profiler=profiler)) as url:
-        first = asyncio.create_task(get(url + "/profile?seconds=1", ADMIN))
-        for _ in range(1000):  # until the first capture has started
-            if profiler.busy or first.done():
-                break
-            await asyncio.sleep(0.01)
-        assert profiler.busy
-        second = await get(url + "/profile?seconds=1", OPERATOR)
-        done = await first
+    app = admin_app(PRODUCTION, profiler=profiler)
+    second, done = await second_while_first_runs(
+        app, "/profile?seconds=1", lambda: profiler.busy, OPERATOR
+    )
     assert second.status == 409
     assert second.json() == {"error": "a profile is already being captured"}
     assert done.status == 200
@@ -575,21 +588,10 @@ async def test_heapz_dump_is_a_snapshot_tracemalloc_loads(tmp_path: Path) -> Non
 
 async def test_a_second_heap_window_while_one_is_open_is_409() -> None:
     tracer = HeapTracer()
-    app = FastAPI()
-
-    async def os_only(groups: frozenset[str] | None) -> dict[str, dict[str, Any]]:
-        return await service_stats(None, groups)
-
-    app.include_router(admin_router(PRODUCTION, os_only, heap=tracer))
-    async with serve(app) as url:
-        first = asyncio.create_task(get(url + "/heapz?seconds=1", ADMIN))
-        for _ in range(1000):
-            if tracer.busy or first.done():
-                break
-            await asyncio.sleep(0.01)
-        assert tracer.busy
-        second = await get(url + "/heapz?seconds=1", ADMIN)
-        done = await first
+    app = admin_app(PRODUCTION, heap=tracer)
+    second, done = await second_while_first_runs(
+        app, "/heapz?seconds=1", lambda: tracer.busy, ADMIN
+    )
     assert second.status == 409
     assert second.json() == {"error": "a heap tracing window is already open"}
     assert done.status == 200
