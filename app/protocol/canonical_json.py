@@ -61,8 +61,9 @@ import orjson
 
 from app import speedups
 from app.protocol.js_number import format_js_number
+from app.protocol.pieces import Pieces, Text
 
-__all__ = ["dumps", "encode_fast", "loads"]
+__all__ = ["JsonPieces", "dumps", "dumps_text", "encode_fast", "json_string_piece", "loads"]
 
 # datetime and dataclass values are not JSON; without these flags orjson would
 # quietly serialize them on the fast path while the slow path rejects them.
@@ -172,6 +173,59 @@ def dumps(value: Any) -> str:
     return _dumps_slow(value)
 
 
+class JsonPieces:
+    """A value whose canonical JSON text is already written, in pieces: a large
+    string's quoted, escaped text (``json_string_piece`` per piece), made by the
+    source a piece at a time. ``dumps_text`` splices it into its row's text
+    without touching its characters; ``dumps`` refuses it, as any non-JSON type."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: Pieces) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"JsonPieces({self.text!r})"
+
+
+def json_string_piece(piece: str) -> str:
+    """The escaped characters of ``piece`` as they stand inside a JSON string (no
+    quotes), byte for byte as ``JSON.stringify`` writes them. Escaping is per
+    character, so the pieces of a string escape to the pieces of its text; a
+    piece must not end between the two halves of a surrogate pair (text decoded
+    from UTF-8 has none)."""
+    return encode_basestring(piece)[1:-1]
+
+
+def dumps_text(value: Any) -> Text:
+    """``dumps``, except that ``value`` may hold ``JsonPieces``: its text is then
+    ``Pieces``, built in O(pieces) from the pre-written texts (the rest of the
+    value is written by the pure-Python encoder, which is slower per value but
+    only rows with a large value come this way)."""
+    text = encode_fast(value)
+    if text is not None:
+        return text
+    try:
+        return dumps(value)
+    except TypeError:
+        pass  # a JsonPieces, or a value that is not JSON (which _encode reports)
+    parts: list[str | JsonPieces] = []
+    _encode(value, parts, pieces=True)
+    out: list[str] = []
+    run: list[str] = []
+    for part in parts:
+        if isinstance(part, JsonPieces):
+            if run:
+                out.append(_fix_surrogates("".join(run)))
+                run = []
+            out.extend(part.text.parts)
+        else:
+            run.append(part)
+    if run:
+        out.append(_fix_surrogates("".join(run)))
+    return Pieces(out)
+
+
 def loads(text: str | bytes) -> Any:
     """Parse JSON text; integer lexemes become exact ints of any size."""
     if isinstance(text, str):
@@ -199,7 +253,10 @@ def loads(text: str | bytes) -> Any:
 def _dumps_slow(value: Any) -> str:
     parts: list[str] = []
     _encode(value, parts)
-    text = "".join(parts)
+    return _fix_surrogates("".join(parts))
+
+
+def _fix_surrogates(text: str) -> str:
     if not text.isascii() and _SURROGATE.search(text):
         text = _SURROGATE.sub(_surrogate_replacement, text)
     return text
@@ -214,8 +271,10 @@ def _surrogate_replacement(m: re.Match[str]) -> str:
     return f"\\u{ord(s):04x}"
 
 
-def _encode(value: Any, parts: list[str]) -> None:
-    """The pure-Python encoder: iterative, so nesting depth is limited only by memory."""
+def _encode(value: Any, parts: list[Any], *, pieces: bool = False) -> None:
+    """The pure-Python encoder: iterative, so nesting depth is limited only by memory.
+    With ``pieces`` (``dumps_text``) a ``JsonPieces`` is appended as it is;
+    otherwise it is not JSON, like any other type."""
     append = parts.append
     # One entry per open container: [iterator, is_object, has_written_an_item].
     stack: list[list[Any]] = []
@@ -253,6 +312,8 @@ def _encode(value: Any, parts: list[str]) -> None:
             append(int.__repr__(v))
         elif isinstance(v, float):
             append(format_js_number(float(v)))
+        elif pieces and t is JsonPieces:
+            append(v)
         else:
             raise TypeError(f"Object of type {type(v).__name__} is not JSON serializable")
 

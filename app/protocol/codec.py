@@ -7,17 +7,34 @@ first element is a short quoted kind) to the last comma for ``begin``/``commit``
 (their trailer ``{"commitWatermark":"W"}`` / ``{"watermark":"W"}`` has no comma)
 or to the final ``]`` otherwise.  Catch-up rebuilds the message from the row's
 watermark, the change's tag and the stored text, byte-for-byte.
+
+A large text (``Pieces``, app/protocol/pieces.py) is cut and rebuilt the same way
+at its ends, without touching the pieces in between.
 """
 
 from __future__ import annotations
 
+from typing import overload
+
 from app.protocol.canonical_json import loads
+from app.protocol.pieces import Pieces, Text
 
 __all__ = ["change_tag", "extract_change", "reconstruct"]
 
 
-def extract_change(message_json: str) -> str:
+@overload
+def extract_change(message_json: str) -> str: ...
+@overload
+def extract_change(message_json: Text) -> Text: ...
+
+
+def extract_change(message_json: Text) -> Text:
     """The change object's JSON text inside a canonical message's JSON text."""
+    if isinstance(message_json, Pieces):
+        # Only data messages grow large: ["data",<change>]
+        if message_json.head(8) != '["data",' or message_json.tail(1) != "]":
+            raise ValueError(f"not a canonical data message: {message_json.head(40)!r}")
+        return message_json.trim(8, 1)
     start = message_json.find(",")
     if start < 0 or not message_json.startswith('["') or not message_json.endswith("]"):
         raise ValueError(f"not a canonical message tuple: {message_json[:40]!r}")
@@ -28,12 +45,22 @@ def extract_change(message_json: str) -> str:
     return message_json[start + 1 : end]
 
 
-def reconstruct(watermark: str, tag: str, change_json: str) -> str:
+@overload
+def reconstruct(watermark: str, tag: str, change_json: str) -> str: ...
+@overload
+def reconstruct(watermark: str, tag: str, change_json: Text) -> Text: ...
+
+
+def reconstruct(watermark: str, tag: str, change_json: Text) -> Text:
     """Rebuild the canonical message JSON from a stored change.
 
     ``watermark`` is inserted verbatim: it is a LexiVersion (``[0-9a-z.]``), which
     needs no JSON escaping.
     """
+    if isinstance(change_json, Pieces):
+        if tag in ("begin", "commit", "rollback"):
+            raise ValueError(f"a {tag} change is never large")
+        return '["data",' + change_json + "]"
     if tag == "begin":
         return f'["begin",{change_json},{{"commitWatermark":"{watermark}"}}]'
     if tag == "commit":
@@ -43,12 +70,18 @@ def reconstruct(watermark: str, tag: str, change_json: str) -> str:
     return f'["data",{change_json}]'
 
 
-def change_tag(change: str) -> str:
+def change_tag(change: Text) -> str:
     """The ``tag`` of a stored change object.
 
     Sources put ``tag`` first in practice, so that case is a slice; any other key
-    order falls back to parsing.
+    order falls back to parsing (not for a large text: its tag must come first).
     """
+    if isinstance(change, Pieces):
+        head = change.head(64)
+        end = head.find('"', 8)
+        if head.startswith('{"tag":"') and end > 8:
+            return head[8:end]
+        raise ValueError(f"large stored change without a leading 'tag': {head!r}")
     if change.startswith('{"tag":"'):
         end = change.find('"', 8)
         if end > 8:

@@ -1,7 +1,8 @@
 """The websocket frames of the replication streams, as pure functions (RFC 6455 §5).
 
 What the server writes: ``{"id":N,…}`` envelopes (wire.md §1.1, §5.3) in unmasked
-FIN text frames. :func:`envelope_texts` is the one place an envelope is spelled
+FIN text frames (a large message, ``Pieces``, in fragments: :func:`fragment_frames`).
+:func:`envelope_texts` is the one place an envelope is spelled
 (v6: a ``msg`` frame per message; v7: ``batch`` frames of up to ``per_frame``
 messages, a lone message as ``msg``); :func:`encode_envelopes` is the same frames
 with their headers, as one ``bytes`` to write, and :func:`encode_text_frames` any
@@ -22,7 +23,7 @@ and what the tests compare them against.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 from app import speedups
@@ -33,12 +34,16 @@ __all__ = [
     "encode_envelopes",
     "encode_text_frames",
     "envelope_texts",
+    "fragment_frames",
     "frame_count",
     "frame_header",
     "unmask",
 ]
 
-_FIN_TEXT: Final = 0x81
+_FIN: Final = 0x80
+_OP_TEXT: Final = 0x1
+_OP_CONTINUATION: Final = 0x0
+_FIN_TEXT: Final = _FIN | _OP_TEXT
 _MASKED: Final = 0x80
 _HEADER_16: Final = struct.Struct("!BBH")
 _HEADER_64: Final = struct.Struct("!BBQ")
@@ -51,6 +56,25 @@ def frame_header(n: int) -> bytes:
     if n < 1 << 16:
         return _HEADER_16.pack(_FIN_TEXT, 126, n)
     return _HEADER_64.pack(_FIN_TEXT, 127, n)
+
+
+def fragment_frames(parts: Sequence[str]) -> Iterator[bytes]:
+    """One text message in fragments (RFC 6455 §5.4), one frame per part, each made
+    only when the next is asked for: a text frame without FIN, continuation frames,
+    the last one with FIN. For a message too large to write in one call."""
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        payload = part.encode()
+        opcode = _OP_TEXT if i == 0 else _OP_CONTINUATION
+        first = (_FIN if i == last else 0) | opcode
+        n = len(payload)
+        if n < 126:
+            header = bytes((first, n))
+        elif n < 1 << 16:
+            header = _HEADER_16.pack(first, 126, n)
+        else:
+            header = _HEADER_64.pack(first, 127, n)
+        yield header + payload
 
 
 def encode_text_frames(texts: Sequence[str]) -> bytes:
