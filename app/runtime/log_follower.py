@@ -46,6 +46,7 @@ from typing import Final
 
 from app.protocol.canonical_json import loads
 from app.protocol.messages import Begin, Commit, Data
+from app.protocol.pieces import join_text
 from app.replica.errors import ReplicaError, ResyncRequiredError
 from app.replica.replicator import ReplicaMessage, Replicator
 from app.storage import ChangeDb, ChangeLog, Replication, StoredRow
@@ -67,7 +68,9 @@ def messages_from_rows(rows: list[StoredRow]) -> list[ReplicaMessage]:
     out: list[ReplicaMessage] = []
     # One parse for the batch: per call, the exact-number checks of ``loads`` cost
     # more than parsing a small row.
-    bodies = loads("[" + ",".join([row[2] for row in rows]) + "]")
+    # The log is read without pieces_over: every change is a str (join_text costs
+    # nothing then; this is a child process, where a join would not stall serve).
+    bodies = loads("[" + ",".join([join_text(row[2]) for row in rows]) + "]")
     for (watermark, _pos, _change, _precommit), body in zip(rows, bodies, strict=True):
         tag = body["tag"]
         if tag == "begin":

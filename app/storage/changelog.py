@@ -3,7 +3,9 @@
 A row is one message of one upstream transaction: ``(watermark, pos, change,
 precommit)`` where ``watermark`` is the transaction's commit watermark, ``pos``
 its position (begin = 0 … commit = last) and ``change`` the stored body text of
-the message (see ``app.protocol.codec``).
+the message (see ``app.protocol.codec``): a ``str``, or for a large one the
+``Pieces`` it travels as, which no write path here joins and which catch-up
+reads give back in pieces when asked to (``read(pieces_over=…)``, decision 46).
 
 Writes happen in a ``WriteTransaction``: one database transaction that may hold
 many upstream transactions (group commit), takes the ownership lock first and
@@ -22,6 +24,7 @@ from sqlalchemy import delete, func, select, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.protocol.pieces import Text
 from app.storage.backfill import BookkeepingOp, apply_bookkeeping
 from app.storage.engine import ChangeDb
 from app.storage.errors import OwnershipLostError, PurgeLockedError
@@ -33,7 +36,7 @@ DEFAULT_READ_BATCH = 2000
 
 # A row as catch-up reads it: (watermark, pos, change, precommit). Plain tuples
 # straight from the driver; wrapping 400k rows/s in objects costs a third.
-StoredRow = tuple[str, int, str, str | None]
+StoredRow = tuple[str, int, Text, str | None]
 
 
 class ChangeRow(NamedTuple):
@@ -41,7 +44,7 @@ class ChangeRow(NamedTuple):
 
     watermark: str
     pos: int
-    change: str
+    change: Text
     precommit: str | None = None
 
 
@@ -55,7 +58,8 @@ class WriteTransaction:
     rows_written: int = 0
 
     async def append(self, rows: Sequence[StoredRow]) -> None:
-        """Inserts rows (of any number of upstream transactions) in one statement."""
+        """Inserts rows (of any number of upstream transactions) in one statement
+        (and a change in pieces a piece at a time)."""
         if not rows:
             return
         await self._fast.insert(self._conn, rows)
@@ -146,10 +150,15 @@ class ChangeLog:
         *,
         batch_size: int = DEFAULT_READ_BATCH,
         first_batch: int | None = None,
+        pieces_over: int | None = None,
     ) -> AsyncIterator[list[StoredRow]]:
         """Rows with ``from_watermark <= watermark <= up_to`` in ``(watermark, pos)`` order.
 
-        Rows are ``(watermark, pos, change, precommit)`` tuples.
+        Rows are ``(watermark, pos, change, precommit)`` tuples; every change is a
+        ``str``, unless ``pieces_over`` is given: then a change longer than that
+        many characters comes as ``Pieces`` (each piece at most ``PIECE_CHARS``),
+        read apart after its batch without the whole text ever being one string
+        in this process (it is one of the immutable rows: the reads agree).
         Yields batches of at most ``batch_size`` rows, each read in its own short
         snapshot (long SQLite readers would stall WAL checkpoints). With
         ``first_batch`` the first batch has that many rows and each next one twice
@@ -168,9 +177,11 @@ class ChangeLog:
         while True:
             async with self._db.reader.connect() as conn:
                 if after is None:
-                    rows = await self._fast.read_first(conn, from_watermark, up_to, size)
+                    rows = await self._fast.read_first(
+                        conn, from_watermark, up_to, size, pieces_over
+                    )
                 else:
-                    rows = await self._fast.read_next(conn, after, up_to, size)
+                    rows = await self._fast.read_next(conn, after, up_to, size, pieces_over)
             if not rows:
                 return
             yield rows

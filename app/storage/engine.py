@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from app.storage.errors import ChangeDbConfigError
-from app.storage.sqlite_group import SqliteStatements
+from app.storage.sqlite_group import TEMP_AUTO_VACUUM, SqliteStatements
 from app.storage.sqlite_writer import SqliteWriterProcess
 
 APPLICATION_NAME = "zero-change-streamer"
@@ -223,6 +223,8 @@ def _configure_sqlite(engine: AsyncEngine, opts: ChangeDbOptions, *, begin: str)
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute(f"PRAGMA synchronous={opts.sqlite_synchronous}")
             cursor.execute(f"PRAGMA busy_timeout={int(opts.sqlite_busy_timeout_ms)}")
+            # Large changes pass through a TEMP table (storage/sqlite_group.py).
+            cursor.execute(TEMP_AUTO_VACUUM)
         finally:
             cursor.close()
 

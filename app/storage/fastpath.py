@@ -12,26 +12,50 @@ the driver connection that SQLAlchemy pooled and talk to it directly:
 * appends: ``executemany`` on SQLite, ``COPY … FROM STDIN`` on Postgres;
 * catch-up reads: one ``fetchall`` per batch, plain tuples.
 
+A change text too large to hold whole (``Pieces``, decision 46) is written and,
+with ``pieces_over``, read back without any call here touching it whole while
+holding the GIL:
+
+* SQLite writes stage its UTF-8 in a TEMP blob (``sqlite_group``), in the
+  driver's thread; reads copy the row's text into such a blob inside SQLite
+  and read it back a piece at a time (``Blob.read``), in the same thread.
+  Substring queries were the alternative: SQLite 3.40 loads the whole value
+  for every ``substr``, which makes reading by ranges quadratic.
+* Postgres writes send the row to ``COPY`` piece by piece, each escaped on its
+  own (COPY's text escapes are per character, so that equals escaping the
+  whole); reads stream the text's UTF-8 as rows of ``PIECE_CHARS`` bytes cut
+  server-side from one ``convert_to`` of it (by bytes: a character offset costs
+  a scan from the start of the value, which is quadratic again), decoded in a
+  thread.
+
 Everything else (DDL, config, purge, the rare bookkeeping statements inside a
 write) stays on SQLAlchemy Core; those join the driver's open transaction.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from operator import itemgetter
+from typing import Any, TypeVar, cast
 
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.protocol.pieces import PIECE_CHARS, Pieces, Text, decode_pieces
 from app.storage import sqlite_group
 from app.storage.engine import ChangeDb
-from app.storage.errors import DuplicateChangeError
-from app.storage.sqlite_group import SqliteStatements
+from app.storage.errors import DuplicateChangeError, StorageError
+from app.storage.sqlite_group import CREATE_STAGE, STAGE_TABLE, UNSTAGE, SqliteStatements
 
-Row = tuple[str, int, str, str | None]
+Row = tuple[str, int, Text, str | None]
+# A row of a read with pieces_over: its change is None where it is to be read apart.
+_ReadRow = tuple[str, int, Text | None, str | None]
 _T = TypeVar("_T")
+_CHANGE = itemgetter(2)
+_OFFSET = itemgetter(0)
 
 
 class FastPath:
@@ -47,20 +71,36 @@ class FastPath:
             self._select_owner = f'SELECT "owner" FROM {state} FOR UPDATE'
             self._set_head = f'UPDATE {state} SET "lastWatermark" = %s'
             p = "%s"
+            # The change column is read as text so the driver never parses it.
+            change = '"change"::text'
+            size = f"octet_length({change})"
+            # A text's UTF-8 in rows of %s bytes, cut from one convert_to of it
+            # (OFFSET 0 keeps the subquery apart, so it is not redone for each row).
+            self._read_text = (
+                "SELECT g.i, substring(v.b FROM g.i FOR %s)"
+                f" FROM (SELECT convert_to({change}, 'UTF8') AS b FROM {table}"
+                ' WHERE "watermark" = %s AND "pos" = %s OFFSET 0) AS v,'
+                " generate_series(1, octet_length(v.b), %s) AS g(i)"
+            )
         else:
             # The group commit's statements, shared with the writer process.
             self._sqlite = SqliteStatements.for_tables(table, state)
             self._select_owner = self._sqlite.select_owner
             self._set_head = self._sqlite.set_head
             p = "?"
-        # The change column is read as text so the driver never parses it.
-        select = f'SELECT "watermark", "pos", "change"::text, "precommit" FROM {table}'
-        if db.dialect == "sqlite":
-            select = f'SELECT "watermark", "pos", "change", "precommit" FROM {table}'
-        order = 'ORDER BY "watermark", "pos" LIMIT ' + p
-        self._read_first = f'{select} WHERE "watermark" >= {p} AND "watermark" <= {p} {order}'
-        self._read_next = (
-            f'{select} WHERE ("watermark", "pos") > ({p}, {p}) AND "watermark" <= {p} {order}'
+            change = '"change"'
+            size = 'length(CAST("change" AS BLOB))'
+            # A text's UTF-8 into a staged blob, copied inside SQLite.
+            self._read_text = (
+                f'INSERT INTO temp."{STAGE_TABLE}" ("utf8") SELECT CAST("change" AS BLOB)'
+                f' FROM {table} WHERE "watermark" = ? AND "pos" = ?'
+            )
+        self._read_first, self._read_next = _reads(table, change, p)
+        # With pieces_over: NULL (no stored change is NULL) for a change of more
+        # bytes than that, to be read apart. Bytes, not characters: counting the
+        # characters of every small change would cost every catch-up batch.
+        self._read_first_pieces, self._read_next_pieces = _reads(
+            table, f"CASE WHEN {size} <= {p} THEN {change} END", p
         )
 
     async def begin_write(self, conn: AsyncConnection) -> str | None:
@@ -96,9 +136,14 @@ class FastPath:
         driver = await _driver(conn)
         try:
             if self._dialect == "postgresql":
+                encoding = driver.info.encoding
                 async with driver.cursor() as cur, cur.copy(self._insert) as copy:
                     for row in rows:
-                        await copy.write_row(row)
+                        change = row[2]
+                        if isinstance(change, str):
+                            await copy.write_row(row)
+                        else:
+                            await _copy_text_row(copy, row, change, encoding)
             else:
                 await _in_driver_thread(driver, self._insert_sqlite, rows)
         except (sqlite3.IntegrityError, psycopg.errors.UniqueViolation) as e:
@@ -124,20 +169,39 @@ class FastPath:
     def _commit_rows_sqlite(
         self, sq: sqlite3.Connection, owner: str, rows: Sequence[Row], last_watermark: str
     ) -> str | None:
-        return sqlite_group.commit_rows(sq, self._sqlite, owner, rows, last_watermark)
+        plain, texts = sqlite_group.split_texts(rows)
+        return sqlite_group.commit_rows(sq, self._sqlite, owner, plain, last_watermark, texts)
 
     def _insert_sqlite(self, sq: sqlite3.Connection, rows: Sequence[Row]) -> None:
-        sqlite_group.insert_rows(sq, self._sqlite, rows)
+        plain, texts = sqlite_group.split_texts(rows)
+        sqlite_group.insert_rows(sq, self._sqlite, plain, texts)
 
     async def read_first(
-        self, conn: AsyncConnection, from_watermark: str, up_to: str, limit: int
+        self,
+        conn: AsyncConnection,
+        from_watermark: str,
+        up_to: str,
+        limit: int,
+        pieces_over: int | None = None,
     ) -> list[Row]:
-        return await self._fetch(conn, self._read_first, (from_watermark, up_to, limit))
+        """The first rows of a catch-up; see ``ChangeLog.read`` for ``pieces_over``."""
+        if pieces_over is None:
+            return await self._fetch(conn, self._read_first, (from_watermark, up_to, limit))
+        params = (pieces_over, from_watermark, up_to, limit)
+        return await self._fetch_pieces(conn, self._read_first_pieces, params, pieces_over)
 
     async def read_next(
-        self, conn: AsyncConnection, after: tuple[str, int], up_to: str, limit: int
+        self,
+        conn: AsyncConnection,
+        after: tuple[str, int],
+        up_to: str,
+        limit: int,
+        pieces_over: int | None = None,
     ) -> list[Row]:
-        return await self._fetch(conn, self._read_next, (after[0], after[1], up_to, limit))
+        if pieces_over is None:
+            return await self._fetch(conn, self._read_next, (after[0], after[1], up_to, limit))
+        params = (pieces_over, after[0], after[1], up_to, limit)
+        return await self._fetch_pieces(conn, self._read_next_pieces, params, pieces_over)
 
     async def _fetch(self, conn: AsyncConnection, sql: str, params: tuple[Any, ...]) -> list[Row]:
         driver = await _driver(conn)
@@ -146,6 +210,108 @@ class FastPath:
                 await cur.execute(sql, params)
                 return await cur.fetchall()  # type: ignore[no-any-return]
         return await driver.execute_fetchall(sql, params)  # type: ignore[no-any-return]
+
+    async def _fetch_pieces(
+        self, conn: AsyncConnection, sql: str, params: tuple[Any, ...], pieces_over: int
+    ) -> list[Row]:
+        """A batch whose changes longer than ``pieces_over`` come as ``Pieces``."""
+        driver = await _driver(conn)
+        if self._dialect == "sqlite":
+            return await _in_driver_thread(
+                driver, self._select_pieces_sqlite, sql, params, pieces_over
+            )
+        async with driver.cursor() as cur:
+            await cur.execute(sql, params)
+            rows: list[_ReadRow] = await cur.fetchall()
+        if None in map(_CHANGE, rows):
+            for i, (watermark, pos, change, precommit) in enumerate(rows):
+                if change is None:
+                    text = await self._read_text_pg(driver, watermark, pos)
+                    rows[i] = (watermark, pos, _pieces_over(text, pieces_over), precommit)
+        return cast(list[Row], rows)  # no change is None now
+
+    def _select_pieces_sqlite(
+        self, sq: sqlite3.Connection, sql: str, params: tuple[Any, ...], pieces_over: int
+    ) -> list[Row]:
+        rows: list[_ReadRow] = sq.execute(sql, params).fetchall()
+        if None in map(_CHANGE, rows):
+            for i, (watermark, pos, change, precommit) in enumerate(rows):
+                if change is None:
+                    text = self._read_text_sqlite(sq, watermark, pos)
+                    rows[i] = (watermark, pos, _pieces_over(text, pieces_over), precommit)
+        return cast(list[Row], rows)  # no change is None now
+
+    def _read_text_sqlite(self, sq: sqlite3.Connection, watermark: str, pos: int) -> Text:
+        """A stored change through a staged blob, read back a piece at a time (in
+        the driver's thread: the copy into the blob is one ``sqlite3_step``, which
+        does not hold the GIL, and each read and decode is one piece)."""
+        sq.execute(CREATE_STAGE)
+        staged = sq.execute(self._read_text, (watermark, pos))
+        rowid = staged.lastrowid
+        if staged.rowcount != 1 or rowid is None:
+            raise StorageError(f"change ({watermark}, {pos}) is no longer in the change log")
+        try:
+            with sq.blobopen(STAGE_TABLE, "utf8", rowid, readonly=True, name="temp") as blob:
+                return decode_pieces(iter(partial(blob.read, PIECE_CHARS), b""))
+        finally:
+            sq.execute(UNSTAGE, (rowid,))
+
+    async def _read_text_pg(self, driver: Any, watermark: str, pos: int) -> Text:
+        """A stored change as rows of ``PIECE_CHARS`` bytes, decoded in a thread."""
+        chunks: list[tuple[int, bytes]] = []
+        params = (PIECE_CHARS, watermark, pos, PIECE_CHARS)
+        async with driver.cursor(binary=True) as cur:
+            async for offset, chunk in cur.stream(self._read_text, params):
+                chunks.append((offset, chunk))
+                await asyncio.sleep(0)  # rows libpq already holds come without a wait
+        if not chunks:
+            raise StorageError(f"change ({watermark}, {pos}) is no longer in the change log")
+        chunks.sort(key=_OFFSET, reverse=True)
+        return await asyncio.to_thread(decode_pieces, _taken(chunks))
+
+
+def _reads(table: str, change: str, p: str) -> tuple[str, str]:
+    """The first and the next catch-up read, selecting ``change`` as the change."""
+    select = f'SELECT "watermark", "pos", {change}, "precommit" FROM {table}'
+    order = 'ORDER BY "watermark", "pos" LIMIT ' + p
+    return (
+        f'{select} WHERE "watermark" >= {p} AND "watermark" <= {p} {order}',
+        f'{select} WHERE ("watermark", "pos") > ({p}, {p}) AND "watermark" <= {p} {order}',
+    )
+
+
+def _taken(chunks: list[tuple[int, bytes]]) -> Iterator[bytes]:
+    """The chunks of a list in reverse order, each let go of as it is taken."""
+    while chunks:
+        yield chunks.pop()[1]
+
+
+def _pieces_over(text: Text, pieces_over: int) -> Text:
+    """``text`` as ``Pieces`` if it is longer than ``pieces_over`` characters, else
+    whole. (A text read apart has more bytes than that, but may still have no more
+    characters; joining it then copies at most ``pieces_over`` characters.)"""
+    if len(text) <= pieces_over:
+        return text if isinstance(text, str) else text.join()
+    return text if isinstance(text, Pieces) else Pieces((text,))
+
+
+def copy_escape(text: str) -> str:
+    """``text`` as a field of COPY's text format. Every escape replaces one
+    character, so escaping a text's pieces one by one equals escaping the whole."""
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
+async def _copy_text_row(copy: Any, row: Row, text: Pieces, encoding: str) -> None:
+    """One row of COPY's text format whose change is written a piece per call,
+    the event loop running between pieces. (Rows that ``write_row`` buffers go
+    out whole, before or after this one: the stream stays a sequence of rows.)"""
+    watermark, pos, _, precommit = row
+    await copy.write(f"{copy_escape(watermark)}\t{pos}\t".encode(encoding))
+    for part in text.parts:
+        await copy.write(copy_escape(part).encode(encoding))
+        await asyncio.sleep(0)
+    end = "\\N" if precommit is None else copy_escape(precommit)
+    await copy.write(f"\t{end}\n".encode(encoding))
 
 
 async def _driver(conn: AsyncConnection) -> Any:

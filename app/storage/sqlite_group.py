@@ -11,14 +11,28 @@ writer process (``"process"``, the default), where its Python work — flattenin
 and binding four parameters per row — no longer takes the GIL from the event
 loop, and SQLite's own work runs on another core.
 
+A change text too large to hold whole (``app.protocol.pieces.Pieces`` in the
+service, ``ReceivedText`` here: a ``Utf8Text``) is never made one Python string:
+its UTF-8 is written piece by piece into a zero-filled blob of a TEMP rowid
+table (``sqlite3.Blob``; ``changeLog`` is WITHOUT ROWID, so no blob can be
+opened on it) and copied into ``changeLog`` by ``INSERT … SELECT CAST(… AS
+TEXT)``, inside ``sqlite3_step``, where the ``sqlite3`` module does not hold the
+GIL. In aiosqlite's thread that keeps the event loop running; in the writer
+process it spares a join and a second copy of the value.
+
 The writer process speaks frames over a socketpair: an 8-byte little-endian
 length, then a ``marshal`` (version 4) of plain tuples, strings, integers and
 None — both ends are this module's code under the same interpreter, and
 nothing else can reach the socket; marshal writes rows twice as fast as pickle.
-The parent sends ``("commit_rows", owner, rows, last_watermark)``;
-the child answers ``("ok", owner_found)`` or ``("error", sqlite3 class name,
-message)``. Its first frame is ``("ready",)`` once the database is open, or an
-error. It exits when the parent closes its end (end of file), after finishing the
+The parent sends ``("commit_rows", owner, rows, last_watermark)``, or, when some
+rows' change texts are in pieces, ``("commit_rows", owner, rows,
+last_watermark, texts)`` with those rows left out of ``rows`` and ``texts``
+holding ``(watermark, pos, precommit, number of pieces)`` for each, followed by
+that many frames of one ``str`` piece each (at most ``PIECE_CHARS`` characters: the
+parent writes them with the event loop running between them); the child
+answers ``("ok", owner_found)`` or ``("error", sqlite3 class name, message)``.
+Its first frame is ``("ready",)`` once the database is open, or an error. It
+exits when the parent closes its end (end of file), after finishing the
 transaction in hand: a parent killed mid-commit leaves a transaction that is
 either whole or absent, as SQLite guarantees.
 """
@@ -32,22 +46,58 @@ import socket
 import sqlite3
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import itemgetter
+from typing import Protocol, cast
 
 __all__ = [
+    "CREATE_STAGE",
     "FRAME_HEADER",
+    "STAGE_TABLE",
+    "TEMP_AUTO_VACUUM",
+    "UNSTAGE",
+    "PlainRow",
+    "ReceivedText",
+    "Row",
     "SqliteStatements",
+    "TextRow",
+    "Utf8Text",
     "commit_rows",
     "encode_frame",
     "insert_rows",
     "read_frame",
+    "split_texts",
     "write_frame",
 ]
 
-Row = tuple[str, int, str, str | None]
+
+class Utf8Text(Protocol):
+    """A change text held in pieces, never as one string: what ``Pieces`` offers."""
+
+    def utf8(self) -> Iterable[bytes]:
+        """The text's UTF-8, a piece at a time."""
+        ...
+
+    def utf8_length(self) -> int: ...
+
+
+# (watermark, pos, change, precommit); the change is whole or in pieces.
+Row = tuple[str, int, str | Utf8Text, str | None]
+PlainRow = tuple[str, int, str, str | None]
+TextRow = tuple[str, int, Utf8Text, str | None]
+
+# The TEMP table a text in pieces is put together in (writes) or taken apart in
+# (reads, app.storage.fastpath): one blob per text, deleted after use. Every
+# connection sets ``temp.auto_vacuum`` before its TEMP database exists (it only
+# takes effect then), so the temp file shrinks back after each text instead of
+# keeping the size of the largest.
+STAGE_TABLE = "changeText"
+CREATE_STAGE = f'CREATE TEMP TABLE IF NOT EXISTS "{STAGE_TABLE}" ("utf8" BLOB)'
+UNSTAGE = f'DELETE FROM temp."{STAGE_TABLE}" WHERE rowid = ?'
+TEMP_AUTO_VACUUM = "PRAGMA temp.auto_vacuum=FULL"
+_STAGE_ZEROS = f'INSERT INTO temp."{STAGE_TABLE}" ("utf8") VALUES (zeroblob(?))'
 
 # Rows per INSERT statement, at most. sqlite3 releases and re-takes the GIL
 # around every statement step; with one row per step, a busy event loop thread
@@ -72,6 +122,7 @@ ROWS_PER_STATEMENT = 2048
 # one 100 MB value held 100 MiB that way (decision 44).
 LARGE_ROW_CHARS = 1 << 20
 _CHANGE = itemgetter(2)
+_STR = frozenset({str})
 
 # Every frame: this 8-byte little-endian length, then a marshal of that length.
 MARSHAL_VERSION = 4
@@ -89,6 +140,8 @@ class SqliteStatements:
     inserts: dict[int, str] = field(init=False, repr=False, compare=False)
     # One row, inserted only when a fifth parameter is true (see LARGE_ROW_CHARS).
     insert_large: str = field(init=False, repr=False, compare=False)
+    # One row whose change is the text staged in STAGE_TABLE's row ``rowid``.
+    insert_staged: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         inserts: dict[int, str] = {}
@@ -99,6 +152,12 @@ class SqliteStatements:
         object.__setattr__(self, "inserts", inserts)
         columns = self.insert_prefix.removesuffix(" VALUES ")
         object.__setattr__(self, "insert_large", columns + " SELECT ?, ?, ?, ? WHERE ?")
+        object.__setattr__(
+            self,
+            "insert_staged",
+            f'{columns} SELECT ?, ?, CAST("utf8" AS TEXT), ? FROM temp."{STAGE_TABLE}"'
+            " WHERE rowid = ?",
+        )
 
     @classmethod
     def for_tables(cls, change_log: str, replication_state: str) -> SqliteStatements:
@@ -120,8 +179,32 @@ class SqliteStatements:
         return cls(select_owner, set_head, insert_prefix)
 
 
-def insert_rows(sq: sqlite3.Connection, statements: SqliteStatements, rows: Sequence[Row]) -> None:
-    """Full statements, then the rest by halves; large rows one by one."""
+def split_texts(rows: Sequence[Row]) -> tuple[Sequence[PlainRow], list[TextRow]]:
+    """``rows`` as the rows whose change is a ``str`` and those whose change is in
+    pieces (one pass over the types when there are none)."""
+    if set(map(type, map(_CHANGE, rows))) <= _STR:
+        return cast(Sequence[PlainRow], rows), []
+    plain: list[PlainRow] = []
+    texts: list[TextRow] = []
+    for row in rows:
+        change = row[2]
+        if isinstance(change, str):
+            plain.append((row[0], row[1], change, row[3]))
+        else:
+            texts.append((row[0], row[1], change, row[3]))
+    return plain, texts
+
+
+def insert_rows(
+    sq: sqlite3.Connection,
+    statements: SqliteStatements,
+    rows: Sequence[PlainRow],
+    texts: Sequence[TextRow] = (),
+) -> None:
+    """Full statements, then the rest by halves; large rows and ``texts`` (rows
+    whose change is in pieces) one by one."""
+    for text in texts:
+        _insert_text(sq, statements, text)
     if rows and max(map(len, map(_CHANGE, rows))) >= LARGE_ROW_CHARS:
         large = [row for row in rows if len(row[2]) >= LARGE_ROW_CHARS]
         rows = [row for row in rows if len(row[2]) < LARGE_ROW_CHARS]
@@ -138,21 +221,55 @@ def insert_rows(sq: sqlite3.Connection, statements: SqliteStatements, rows: Sequ
         start = end
 
 
+def _insert_text(sq: sqlite3.Connection, statements: SqliteStatements, row: TextRow) -> None:
+    """One row whose change is in pieces: each piece's UTF-8 into a staged blob,
+    then one copy of the whole inside SQLite (no GIL held), then the blob goes.
+    Only small values are bound, so no statement keeps the text (decision 44)."""
+    watermark, pos, text, precommit = row
+    sq.execute(CREATE_STAGE)
+    rowid = sq.execute(_STAGE_ZEROS, (text.utf8_length(),)).lastrowid
+    assert rowid is not None
+    with sq.blobopen(STAGE_TABLE, "utf8", rowid, name="temp") as blob:
+        for chunk in text.utf8():
+            blob.write(chunk)
+    sq.execute(statements.insert_staged, (watermark, pos, precommit, rowid))
+    sq.execute(UNSTAGE, (rowid,))
+
+
+class ReceivedText:
+    """A change text as the pieces the parent sent: the writer process's ``Pieces``."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: list[str]) -> None:
+        self._parts = parts
+
+    def utf8(self) -> Iterator[bytes]:
+        for part in self._parts:
+            yield part.encode()
+
+    def utf8_length(self) -> int:
+        # An ASCII str knows its UTF-8 length; only the others are encoded twice.
+        return sum(len(p) if p.isascii() else len(p.encode()) for p in self._parts)
+
+
 def commit_rows(
     sq: sqlite3.Connection,
     statements: SqliteStatements,
     owner: str,
-    rows: Sequence[Row],
+    rows: Sequence[PlainRow],
     last_watermark: str,
+    texts: Sequence[TextRow] = (),
 ) -> str | None:
     """One write transaction; writes nothing unless ``owner`` still owns the log.
-    Returns the owner found. ``sq`` must be in autocommit mode (isolation_level None)."""
+    Returns the owner found. ``sq`` must be in autocommit mode (isolation_level None).
+    ``texts`` are rows whose change is in pieces (see ``split_texts``)."""
     sq.execute("BEGIN IMMEDIATE")
     try:
         row = sq.execute(statements.select_owner).fetchone()
         current: str | None = None if row is None else row[0]
         if current == owner:
-            insert_rows(sq, statements, rows)
+            insert_rows(sq, statements, rows, texts)
             sq.execute(statements.set_head, (last_watermark,))
             sq.commit()
             return current
@@ -163,14 +280,14 @@ def commit_rows(
     return current
 
 
-def encode_frame(value: tuple[object, ...]) -> bytes:
+def encode_frame(value: tuple[object, ...] | str) -> bytes:
     """Header and body of one frame; ValueError if ``value`` is not plain data
-    (e.g. a NamedTuple, which marshal refuses)."""
+    (e.g. a NamedTuple or a ``Pieces``, which marshal refuses)."""
     data = marshal.dumps(value, MARSHAL_VERSION)  # type: ignore[arg-type]
     return FRAME_HEADER.pack(len(data)) + data
 
 
-def write_frame(sock: socket.socket, value: tuple[object, ...]) -> None:
+def write_frame(sock: socket.socket, value: tuple[object, ...] | str) -> None:
     sock.sendall(encode_frame(value))
 
 
@@ -205,6 +322,7 @@ def connect(path: str, synchronous: str, busy_timeout_ms: int) -> sqlite3.Connec
     sq.execute("PRAGMA journal_mode=WAL")
     sq.execute(f"PRAGMA synchronous={synchronous}")
     sq.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+    sq.execute(TEMP_AUTO_VACUUM)
     return sq
 
 
@@ -223,19 +341,41 @@ def serve(sock: socket.socket, path: str, synchronous: str, busy_timeout_ms: int
             if request is None:
                 return 0
             if not (
-                isinstance(request, tuple) and len(request) == 4 and request[0] == "commit_rows"
+                isinstance(request, tuple)
+                and len(request) in (4, 5)
+                and request[0] == "commit_rows"
             ):
                 write_frame(sock, ("error", "ProgrammingError", f"unknown request {request!r}"))
                 continue
-            _, owner, rows, last_watermark = request
+            _, owner, rows, last_watermark, *heads = request
+            texts = _receive_texts(sock, heads[0]) if heads else ()
+            if texts is None:
+                return 0
             try:
                 reply: tuple[object, ...] = (
                     "ok",
-                    commit_rows(sq, statements, owner, rows, last_watermark),
+                    commit_rows(sq, statements, owner, rows, last_watermark, texts),
                 )
             except sqlite3.Error as e:
                 reply = ("error", type(e).__name__, str(e))
             write_frame(sock, reply)
+
+
+def _receive_texts(
+    sock: socket.socket, heads: list[tuple[str, int, str | None, int]]
+) -> list[TextRow] | None:
+    """The pieces that follow a request, as its rows in pieces; None at end of file."""
+    texts: list[TextRow] = []
+    for watermark, pos, precommit, count in heads:
+        parts: list[str] = []
+        for _ in range(count):
+            part = read_frame(sock)
+            if part is None:
+                return None
+            assert isinstance(part, str), f"a piece of a change text, not {type(part)}"
+            parts.append(part)
+        texts.append((watermark, pos, ReceivedText(parts), precommit))
+    return texts
 
 
 def main(argv: list[str]) -> int:

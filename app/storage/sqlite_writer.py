@@ -11,6 +11,11 @@ database transaction — stays on the in-process engines, and SQLite's locks
 (``BEGIN IMMEDIATE``, ``busy_timeout``) order the two writers; the storer never
 has both open at once.
 
+A change text in pieces (``Pieces``) is sent after its request one piece per
+frame, with the event loop running between pieces, and the process stages it
+in SQLite without joining it (``sqlite_group``): no call here touches a large
+value whole (decision 46).
+
 The process is started when the storer starts (or on first use) and restarted
 on the next use after it failed. A commit that times out, a process that exits,
 a request cancelled mid-way (its reply would otherwise be read as the next
@@ -34,9 +39,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from app.protocol.pieces import Pieces, Text
 from app.storage import sqlite_group
 from app.storage.errors import DuplicateChangeError, StorageError
-from app.storage.sqlite_group import FRAME_HEADER, Row, SqliteStatements, encode_frame
+from app.storage.sqlite_group import FRAME_HEADER, SqliteStatements, encode_frame
 
 __all__ = ["SqliteWriterError", "SqliteWriterProcess"]
 
@@ -81,19 +87,28 @@ class SqliteWriterProcess:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    async def commit_rows(self, owner: str, rows: Sequence[Row], last_watermark: str) -> str | None:
-        """``sqlite_group.commit_rows`` in the writer process; returns the owner found."""
+    async def commit_rows(
+        self, owner: str, rows: Sequence[tuple[str, int, Text, str | None]], last_watermark: str
+    ) -> str | None:
+        """``sqlite_group.commit_rows`` in the writer process; returns the owner found.
+
+        A change text in pieces follows the request one piece per frame, the
+        event loop running between them: nothing here touches the whole text."""
+        texts: Sequence[Pieces] = ()
         try:
             request = encode_frame(("commit_rows", owner, rows, last_watermark))
-        except ValueError:  # rows that are NamedTuples (ChangeRow): marshal takes plain ones
-            plain = [tuple(r) for r in rows]
-            request = encode_frame(("commit_rows", owner, plain, last_watermark))
+        except ValueError:
+            # Rows that are NamedTuples (ChangeRow), or whose change is in pieces:
+            # marshal takes plain tuples of plain values.
+            request, texts = _request_apart(owner, rows, last_watermark)
         self._follow_loop()
         async with self._lock:
             reader, writer = await self._started()
             try:
                 writer.write(request)
-                reply = await asyncio.wait_for(_read_frame(reader), self._commit_timeout_s)
+                reply = await asyncio.wait_for(
+                    _send_and_read(reader, writer, texts), self._commit_timeout_s
+                )
             except TimeoutError:
                 await self._discard(kill=True)
                 raise SqliteWriterError(
@@ -203,6 +218,40 @@ class SqliteWriterProcess:
                 await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
             except TimeoutError:
                 log.error("SQLite writer process %s survived SIGKILL; leaving it", proc.pid)
+
+
+def _request_apart(
+    owner: str, rows: Sequence[tuple[str, int, Text, str | None]], last_watermark: str
+) -> tuple[bytes, list[Pieces]]:
+    """The request with the rows in pieces apart (``sqlite_group``'s module doc),
+    and their texts, to send after it."""
+    plain: list[tuple[str, int, str, str | None]] = []
+    heads: list[tuple[str, int, str | None, int]] = []
+    texts: list[Pieces] = []
+    for watermark, pos, change, precommit in rows:
+        if isinstance(change, str):
+            plain.append((watermark, pos, change, precommit))
+        else:
+            heads.append((watermark, pos, precommit, len(change.parts)))
+            texts.append(change)
+    if not heads:
+        return encode_frame(("commit_rows", owner, plain, last_watermark)), texts
+    return encode_frame(("commit_rows", owner, plain, last_watermark, heads)), texts
+
+
+async def _send_and_read(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, texts: Sequence[Pieces]
+) -> object:
+    """Sends the pieces of ``texts`` (the request went first), then reads the reply."""
+    try:
+        for text in texts:
+            for part in text.parts:
+                writer.write(encode_frame(part))
+                await writer.drain()  # waits only while the socket is full...
+                await asyncio.sleep(0)  # ...so let the loop run between pieces anyway
+    except ConnectionError as e:
+        raise SqliteWriterError("the SQLite writer process exited") from e
+    return await _read_frame(reader)
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> object:

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from app.protocol.pieces import PIECE_CHARS, text_pieces
 from app.storage import (
     ChangeDb,
     ChangeLog,
     ChangeRow,
     Replication,
+    StoredRow,
     SubscriptionState,
     sqlite_group,
     sqlite_writer,
@@ -260,3 +262,88 @@ def test_insert_rows_lets_go_of_a_large_value(tmp_path: Path) -> None:
     sq.execute(statements.inserts[1], rows[1])
     assert sqlite_memory.memory_used() - before >= 8 << 20
     sq.close()
+
+
+def test_insert_rows_keeps_no_copy_of_a_text_in_pieces(tmp_path: Path) -> None:
+    # A text in pieces is staged in a TEMP blob and copied inside SQLite: no
+    # statement binds it (decision 44), and the staged blob is deleted, its pages
+    # given back (temp.auto_vacuum).
+    sqlite_memory.probe()
+    statements = SqliteStatements.for_tables('"changeLog"', '"replicationState"')
+    sq = sqlite_group.connect(str(tmp_path / "c.db"), "FULL", 1000)
+    sq.execute(
+        'CREATE TABLE "changeLog" (watermark TEXT, pos INT, change TEXT, precommit TEXT,'
+        " PRIMARY KEY (watermark, pos)) WITHOUT ROWID"
+    )
+    text = "é€😀x" * (2 << 20)
+    parts = [text[i : i + 100_003] for i in range(0, len(text), 100_003)]
+    texts = [("01", 1, sqlite_group.ReceivedText(parts), None)]
+    rows = [("01", 0, '{"tag":"begin"}', None), ("01", 2, "{}", "01")]
+    before = sqlite_memory.memory_used()
+    sqlite_group.insert_rows(sq, statements, rows, texts)
+    assert sqlite_memory.memory_used() - before < 4 << 20  # the page caches, not the text
+    assert sq.execute('SELECT count(*) FROM temp."changeText"').fetchone() == (0,)
+    assert sq.execute("PRAGMA temp.page_count").fetchone()[0] < 16
+    got = sq.execute('SELECT pos, change FROM "changeLog" ORDER BY pos').fetchall()
+    assert got == [(0, '{"tag":"begin"}'), (1, text), (2, "{}")]
+    sq.close()
+
+
+async def test_a_parent_gone_while_sending_pieces_ends_the_process_quietly(
+    log: ChangeLog,
+) -> None:
+    w = writer(log)
+    args = [w._path, w._synchronous, str(w._busy_timeout_ms), w._statements.to_json()]
+    returncode, stderr = await asyncio.to_thread(hang_up_mid_pieces, args)
+    assert returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert ("02", 1) not in await stored(log)
+
+
+def hang_up_mid_pieces(args: list[str]) -> tuple[int, str]:
+    """Starts the writer program, sends a commit whose text is announced in three
+    pieces, sends one and closes our end."""
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen(
+        [sys.executable, "-I", sqlite_writer._PROGRAM, str(theirs.fileno()), *args],
+        pass_fds=(theirs.fileno(),),
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    theirs.close()
+    assert sqlite_group.read_frame(ours) == ("ready",)
+    rows = [("02", 0, '{"tag":"begin"}', None), ("02", 2, '{"tag":"commit"}', "02")]
+    sqlite_group.write_frame(ours, ("commit_rows", OWNER, rows, "02", [("02", 1, None, 3)]))
+    sqlite_group.write_frame(ours, '{"tag":"insert",')
+    ours.shutdown(socket.SHUT_RDWR)
+    ours.close()
+    _, stderr = proc.communicate(timeout=30)
+    return proc.returncode, stderr
+
+
+async def test_a_killed_writer_is_a_storage_error_for_a_commit_in_pieces_too(
+    log: ChangeLog,
+) -> None:
+    await log.commit_rows(OWNER, tx("02", 2), "02")
+    w = writer(log)
+    pid = w.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    await wait_gone(pid)
+    text = '{"tag":"insert","new":{"v":"' + "x" * (4 * PIECE_CHARS) + '"}}'
+    rows: list[StoredRow] = [
+        ("03", 0, '{"tag":"begin"}', None),
+        ("03", 1, text_pieces(text), None),
+        ("03", 2, '{"tag":"commit"}', "03"),
+    ]
+    # As for plain rows: the process is found gone, or its socket closed (a
+    # SqliteWriterError the service retries); the retry stores the text once.
+    try:
+        await log.commit_rows(OWNER, rows, "03")
+    except SqliteWriterError:
+        await log.commit_rows(OWNER, rows, "03")
+    assert w.starts == 2
+    got = [r async for batch in log.read("03", "03") for r in batch]
+    assert [r[:2] for r in got] == [("03", 0), ("03", 1), ("03", 2)]
+    assert got[1][2] == text
