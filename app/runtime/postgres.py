@@ -35,6 +35,7 @@ from app.runtime.options import streamer_options, task_id
 from app.runtime.replica_follower import ReplicaFollower
 from app.sources.postgres.errors import AutoResetRequired, ShardSetupError
 from app.sources.postgres.initial_sync import InitialSyncError, initial_sync
+from app.sources.postgres.pgwire import ConnectError, parse_conninfo
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import ReplicaRow, check_replica
 from app.sources.postgres.source import PostgresChangeSource, PostgresSourceOptions
@@ -122,6 +123,12 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
     upstream = settings.upstream_db
     if not upstream:
         raise UpstreamSetupError("ZERO_UPSTREAM_DB is not set")
+    try:
+        # The replication stream connects with our own client (pgwire), which
+        # refuses a few libpq options; say so now, not on every reconnect.
+        parse_conninfo(upstream)
+    except ConnectError as e:
+        raise UpstreamSetupError(f"upstream {_redacted(upstream)}: {e}") from e
     cfg = ShardConfig(
         app_id=settings.app_id,
         shard_num=settings.shard_num,

@@ -65,6 +65,19 @@ async def test_unreachable_upstream_exits_1_naming_the_upstream(
     assert "connection refused" in line.lower(), line
 
 
+async def test_an_upstream_option_the_replication_client_refuses_exits_1_naming_it(
+    serve_factory: ServeFactory,
+) -> None:
+    # hostaddr is libpq's; our replication client (pgwire) does not take it, and
+    # says so at start-up rather than on every reconnect of the stream.
+    serve = serve_factory("postgresql://postgres@127.0.0.1/hpf_x?hostaddr=127.0.0.1")
+    serve.start()
+    assert await serve.wait_exit() == 1
+    line = error_line(serve)
+    assert "upstream postgres@127.0.0.1:5432/hpf_x" in line, line
+    assert "does not support hostaddr" in line, line
+
+
 async def test_missing_publication_exits_1_naming_it(
     upstream: str, serve_factory: ServeFactory
 ) -> None:

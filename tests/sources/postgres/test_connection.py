@@ -1,62 +1,569 @@
-"""The replication socket's wait: a cancel is never lost (Python 3.11's wait_for)."""
+"""The replication socket: our own reader of the COPY_BOTH stream.
+
+Most tests stream from the real server (a scratch database with one published
+table and a pgoutput slot each); the reader's byte handling and flow control are
+also checked on their own (sans-I/O, or over a socket pair), where a test must
+choose how the bytes arrive.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
-from types import SimpleNamespace
+import struct
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
-from app.sources.postgres.connection import ReplicationConnection
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from app.sources.postgres import connection as connection_module
+from app.sources.postgres.connection import (
+    CHUNK_BYTES,
+    BackendMessages,
+    FramePieces,
+    ProtocolViolation,
+    ReplicationConnection,
+    ReplicationStreamEnded,
+    StartReplicationError,
+)
+from app.sources.postgres.pgoutput import (
+    Begin,
+    Commit,
+    Insert,
+    PgOutputMessage,
+    Relation,
+    XLogData,
+    decode_message,
+    parse_copy_data,
+    parse_lsn,
+    standby_status_update,
+)
+from app.sources.postgres.pgwire import ConnectError
+
+MIN_CHUNK_BYTES = 64 << 10
 
 
-def waiting_on(sock: socket.socket) -> ReplicationConnection:
-    """A ReplicationConnection reduced to what ``_wait_io`` uses: the socket's fd."""
-    conn = ReplicationConnection.__new__(ReplicationConnection)
-    conn._pg = SimpleNamespace(socket=sock.fileno())  # type: ignore[assignment]
-    conn._closed = False
-    conn._waiters = set()
-    return conn
+# -- the reader's bytes (sans-I/O) ----------------------------------------------------
 
 
-async def test_a_cancel_that_comes_as_the_socket_turns_readable_is_not_lost() -> None:
-    # The pump is cancelled right when data arrives: the readiness callback and the
-    # cancel land in the same turn of the loop. asyncio.wait_for on Python 3.11
-    # returned the result then, and the cancelled pump read on into a full buffer.
+def backend_message(kind: bytes, body: bytes) -> bytes:
+    return kind + struct.pack("!I", len(body) + 4) + body
+
+
+def fed(reads: list[bytes]) -> list[tuple[int, bytes, int]]:
+    reader = BackendMessages()
+    for data in reads:
+        reader.feed(data)
+    out = []
+    while (m := reader.pop()) is not None:
+        kind, payload, size = m
+        body = payload.tobytes() if isinstance(payload, memoryview) else b"".join(payload)
+        out.append((kind, body, size))
+    assert reader.queued_bytes == 0
+    return out
+
+
+def test_messages_come_out_whole_however_the_reads_cut_them() -> None:
+    stream = (
+        backend_message(b"d", b"w" + bytes(range(200)))
+        + backend_message(b"N", b"Mhello\x00\x00")
+        + backend_message(b"d", b"")
+        + backend_message(b"d", b"k" * 70_000)
+    )
+    expected = [
+        (ord("d"), b"w" + bytes(range(200)), 201),
+        (ord("N"), b"Mhello\x00\x00", 8),
+        (ord("d"), b"", 0),
+        (ord("d"), b"k" * 70_000, 70_000),
+    ]
+    assert fed([stream]) == expected
+    assert fed([stream[i : i + 1] for i in range(len(stream))]) == expected
+    for cut in (1, 3, 5, 6, 210, 230, 1000):
+        assert fed([stream[:cut], stream[cut:]]) == expected
+
+
+def test_a_large_message_is_kept_as_the_reads_it_came_in() -> None:
+    body = os.urandom(3 << 20)
+    stream = backend_message(b"w", b"") + backend_message(b"d", body) + backend_message(b"d", b"k")
+    reads = [stream[i : i + (256 << 10)] for i in range(0, len(stream), 256 << 10)]
+    reader = BackendMessages()
+    for data in reads:
+        reader.feed(data)
+    reader.pop()
+    m = reader.pop()
+    assert m is not None
+    kind, payload, size = m
+    assert (kind, size) == (ord("d"), len(body))
+    assert isinstance(payload, list)
+    assert b"".join(payload) == body
+    # The reads that lay wholly inside it are its chunks, not copies of them.
+    assert sum(any(chunk is data for data in reads) for chunk in payload) == len(reads) - 2
+    assert reader.pop() is not None
+
+
+def test_small_reads_are_gathered_into_chunks_of_at_least_64_kib() -> None:
+    body = os.urandom(1 << 20)
+    stream = backend_message(b"d", body)
+    reader = BackendMessages()
+    for i in range(0, len(stream), 1000):  # a slow network: 1,000 bytes a read
+        reader.feed(stream[i : i + 1000])
+    m = reader.pop()
+    assert m is not None
+    assert isinstance(m[1], list)
+    assert b"".join(m[1]) == body
+    assert all(MIN_CHUNK_BYTES <= len(c) <= CHUNK_BYTES for c in m[1][:-1])
+
+
+def test_a_read_larger_than_a_chunk_is_cut() -> None:
+    body = os.urandom(3 * CHUNK_BYTES + 5)
+    stream = backend_message(b"d", body)
+    reader = BackendMessages()
+    reader.feed(stream[:100])
+    reader.feed(stream[100:])  # one 3 MiB read, as TLS could hand over
+    m = reader.pop()
+    assert m is not None
+    assert isinstance(m[1], list)
+    assert b"".join(m[1]) == body
+    assert [len(c) for c in m[1]][:3] == [CHUNK_BYTES] * 3
+
+
+def test_a_length_no_message_can_have_is_a_protocol_violation() -> None:
+    with pytest.raises(ProtocolViolation, match="invalid message length 2"):
+        BackendMessages().feed(b"d\x00\x00\x00\x02")
+    with pytest.raises(ProtocolViolation, match="invalid message length"):
+        BackendMessages().feed(b"d\x7f\xff\xff\xff")
+
+
+# -- flow control -----------------------------------------------------------------
+
+
+class RecordingTransport(asyncio.Transport):
+    """A transport that only records whether it is read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reading = True
+        self.aborted = False
+
+    def is_reading(self) -> bool:
+        return self._reading
+
+    def pause_reading(self) -> None:
+        self._reading = False
+
+    def resume_reading(self) -> None:
+        self._reading = True
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def wire_on(transport: asyncio.Transport) -> connection_module._Wire:
+    wire = connection_module._Wire()
+    wire.connection_made(transport)
+    return wire
+
+
+async def test_the_socket_is_not_read_while_8_mib_of_frames_wait() -> None:
+    transport = RecordingTransport()
+    wire = wire_on(transport)
+    frame = backend_message(b"d", b"w" * 100_000)
+    taken = 0
+    for _ in range(84):  # 8.4 MB: over the high mark
+        wire.data_received(frame)
+        await asyncio.sleep(0)  # a turn of the loop per read, as a socket gives them
+    assert not transport.is_reading()
+    while wire.messages.queued_bytes > 2 << 20:
+        assert wire.pop() is not None
+        taken += 1
+        assert not transport.is_reading() or wire.messages.queued_bytes <= 2 << 20
+    assert transport.is_reading()
+    assert taken == 84 - 20
+
+
+async def test_a_frame_in_progress_is_read_on_but_not_all_in_one_turn_of_the_loop() -> None:
+    transport = RecordingTransport()
+    wire = wire_on(transport)
+    stream = backend_message(b"d", bytes(20 << 20))  # 20 MiB: over the high mark
+    reads = [stream[i : i + (256 << 10)] for i in range(0, len(stream), 256 << 10)]
+    paused_turns = 0
+    for data in reads:
+        if not transport.is_reading():
+            paused_turns += 1
+            await asyncio.sleep(0)  # the next turn reads again
+            assert transport.is_reading()
+        wire.data_received(data)
+    # About one pause a MiB (uvloop would read 8 MiB in a turn), never one for good.
+    assert paused_turns >= 15
+    assert wire.pop() is not None
+
+
+# -- waiting ----------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def socket_pair_connection() -> AsyncIterator[tuple[ReplicationConnection, socket.socket]]:
+    """A connection over one end of a socket pair; the test writes the other."""
     ours, peer = socket.socketpair()
-    ours.setblocking(False)
-
-    async def read_on() -> None:  # what the pump does: wait, read, wait again
-        while True:
-            if await conn._wait_io(readable=True, timeout_s=30):
-                ours.recv(100)
-
+    wire = connection_module._Wire()
+    await asyncio.get_running_loop().create_connection(lambda: wire, sock=ours)
+    conn = ReplicationConnection(wire, backend_pid=0)
     try:
-        conn = waiting_on(ours)
+        yield conn, peer
+    finally:
+        await conn.close()
+        peer.close()
+
+
+async def test_a_cancel_that_comes_as_a_frame_arrives_is_not_lost() -> None:
+    # The pump is cancelled right when data arrives: the wake-up and the cancel land
+    # in the same turn of the loop. asyncio.wait_for on Python 3.11 returned the
+    # result then, and the cancelled pump read on into a full buffer.
+    async with socket_pair_connection() as (conn, peer):
+        wire = conn._wire
+
+        async def read_on() -> None:  # what the pump does
+            while True:
+                await conn.read_frame(30)
+
         task = asyncio.create_task(read_on())
+        try:
+            for _ in range(100):
+                if wire.waiters:
+                    break
+                await asyncio.sleep(0)
+            [fut] = wire.waiters
+            fut.add_done_callback(lambda _f: task.cancel())  # right after the wake-up
+            peer.send(backend_message(b"d", b"k" * 18))
+            done, _ = await asyncio.wait({task}, timeout=5)
+            assert done == {task}, "the cancel was lost: the reader went on waiting"
+            assert task.cancelled()
+            assert not wire.waiters
+        finally:
+            task.cancel()
+
+
+async def test_a_read_times_out_with_none_and_then_returns_what_came() -> None:
+    async with socket_pair_connection() as (conn, peer):
+        assert await conn.read_frame(0.05) is None
+        peer.send(backend_message(b"d", b"k123"))
+        frame = await conn.read_frame(5)
+        assert isinstance(frame, memoryview)
+        assert frame.tobytes() == b"k123"
+
+
+async def test_closing_wakes_a_waiting_read_at_once() -> None:
+    async with socket_pair_connection() as (conn, _peer):
+        reading = asyncio.create_task(conn.read_frame(30))
         for _ in range(100):
-            if conn._waiters:
+            if conn._wire.waiters:
                 break
             await asyncio.sleep(0)
-        [fut] = conn._waiters
-        fut.add_done_callback(lambda _f: task.cancel())  # right after readiness
-        peer.send(b"x")
-        done, _ = await asyncio.wait({task}, timeout=5)
-        assert done == {task}, "the cancel was lost: the reader went on waiting"
-        assert task.cancelled()
-        assert not conn._waiters
-    finally:
-        task.cancel()
-        ours.close()
+        started = time.monotonic()
+        await conn.close()
+        assert await asyncio.wait_for(reading, 5) is None
+        assert time.monotonic() - started < 2
+        assert conn.closed
+        with pytest.raises(ReplicationStreamEnded, match="was closed"):
+            await conn.read_frame(1)
+        with pytest.raises(ReplicationStreamEnded, match="was closed"):
+            await conn.send_frame(b"r")
+        await conn.close()  # again: nothing happens
+
+
+async def test_losing_the_connection_ends_the_stream_after_what_came_before() -> None:
+    async with socket_pair_connection() as (conn, peer):
+        peer.send(backend_message(b"d", b"k1"))
         peer.close()
+        frame = await conn.read_frame(5)
+        assert frame is not None
+        assert bytes(frame) == b"k1"
+        with pytest.raises(ReplicationStreamEnded, match="replication connection lost") as info:
+            await conn.read_frame(5)
+        assert info.value.sqlstate is None
 
 
-async def test_readable_and_timeout_still_answer() -> None:
-    ours, peer = socket.socketpair()
+# -- against the server ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Upstream:
+    url: str
+    slot: str
+
+
+@pytest.fixture
+async def upstream(db_url: str) -> Upstream:
+    """A published table and a pgoutput slot in a scratch database."""
+    slot = f"cs_conn_{uuid.uuid4().hex[:12]}"
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+        await c.execute("CREATE TABLE items (id int8 PRIMARY KEY, v text)")
+        await c.execute("CREATE PUBLICATION pub FOR TABLE items")
+        await c.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+    return Upstream(db_url, slot)
+
+
+async def execute(url: str, *statements: str) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as c:
+        for s in statements:
+            await c.execute(s.encode())
+
+
+async def slot_value(url: str, slot: str, column: str) -> object:
+    async with await psycopg.AsyncConnection.connect(url) as c:
+        cur = await c.execute(
+            f"SELECT {column} FROM pg_replication_slots WHERE slot_name = %s".encode(), (slot,)
+        )
+        row = await cur.fetchone()
+        assert row is not None
+        return row[0]
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Until ``check()`` is true: Postgres changes its state on its own time."""
+    deadline = time.monotonic() + 10
+    while not await check():
+        assert time.monotonic() < deadline, f"not within 10 s: {what}"
+        await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def streaming(up: Upstream) -> AsyncIterator[ReplicationConnection]:
+    """Replication from the slot's confirmed position (a previous stream's holder
+    lets go of the slot a moment after its socket closed)."""
+    conn = await ReplicationConnection.connect(up.url)
     try:
-        conn = waiting_on(ours)
-        assert await conn._wait_io(readable=True, timeout_s=0.05) is False  # nothing came
-        peer.send(b"x")
-        assert await conn._wait_io(readable=True, timeout_s=5) is True
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await conn.start_replication(up.slot, 0, ["pub"])
+                break
+            except StartReplicationError as e:
+                if e.sqlstate != "55006" or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.02)
+        yield conn
     finally:
-        ours.close()
-        peer.close()
+        await conn.close()
+
+
+async def transaction(
+    conn: ReplicationConnection, pieces_over: int | None = None
+) -> list[bytes | FramePieces]:
+    """The XLogData frames of the next transaction (keepalives skipped)."""
+    frames: list[bytes | FramePieces] = []
+    for _ in range(1000):
+        frame = await conn.read_frame(10, pieces_over=pieces_over)
+        assert frame is not None, "no frame within 10 s"
+        if isinstance(frame, FramePieces):
+            frames.append(frame)
+            continue
+        copy = parse_copy_data(frame)
+        if isinstance(copy, XLogData):
+            frames.append(bytes(frame))
+            if isinstance(decode_message(copy.payload), Commit):
+                return frames
+    raise AssertionError("no commit in 1000 frames")
+
+
+def but_send_time(frame: bytes | FramePieces) -> bytes:
+    """An XLogData frame without the time it was sent (its bytes 17-24)."""
+    whole = b"".join(frame.chunks) if isinstance(frame, FramePieces) else frame
+    return whole[:17] + whole[25:]
+
+
+def decoded(frame: bytes | FramePieces) -> PgOutputMessage:
+    whole = b"".join(frame.chunks) if isinstance(frame, FramePieces) else frame
+    xlog = parse_copy_data(whole)
+    assert isinstance(xlog, XLogData)
+    return decode_message(xlog.payload)
+
+
+async def test_rows_arrive_as_xlogdata_frames(upstream: Upstream) -> None:
+    async with streaming(upstream) as conn:
+        assert conn.backend_pid > 0
+        await execute(upstream.url, "INSERT INTO items VALUES (1, 'a'), (2, 'b')")
+        messages = [decoded(f) for f in await transaction(conn)]
+    assert [type(m) for m in messages] == [Begin, Relation, Insert, Insert, Commit]
+    assert [m.new[1] for m in messages if isinstance(m, Insert)] == ["a", "b"]
+
+
+async def test_a_frame_over_pieces_over_comes_in_pieces_that_join_to_the_whole_frame(
+    upstream: Upstream,
+) -> None:
+    await a_frame_in_pieces_joins_to_the_whole_frame(upstream)
+
+
+def test_a_frame_in_pieces_on_uvloop(upstream: Upstream) -> None:
+    """``serve`` runs on uvloop, whose transports read up to 32 times a turn."""
+    uvloop = pytest.importorskip("uvloop")
+    uvloop.run(a_frame_in_pieces_joins_to_the_whole_frame(upstream))
+
+
+async def a_frame_in_pieces_joins_to_the_whole_frame(upstream: Upstream) -> None:
+    value = os.urandom(1_500_000).hex()  # 3 MB of text
+    await execute(upstream.url, f"INSERT INTO items VALUES (1, '{value}')")
+    async with streaming(upstream) as conn:
+        in_pieces = await transaction(conn, pieces_over=1 << 20)
+    # The slot did not move (nothing was confirmed): the same frames come again.
+    async with streaming(upstream) as conn:
+        whole = await transaction(conn)
+
+    assert [type(f) for f in in_pieces] == [bytes, bytes, FramePieces, bytes]
+    assert [but_send_time(f) for f in in_pieces] == [but_send_time(f) for f in whole]
+    pieces = in_pieces[2]
+    assert isinstance(pieces, FramePieces)
+    assert len(pieces) == pieces.size == len(whole[2]) > 3_000_000
+    assert all(len(chunk) <= CHUNK_BYTES for chunk in pieces.chunks)
+    assert all(len(chunk) >= MIN_CHUNK_BYTES for chunk in pieces.chunks[:-1])
+    insert = decoded(pieces)
+    assert isinstance(insert, Insert)
+    assert insert.new[1] == value
+
+
+async def test_a_standby_status_update_moves_the_slot(upstream: Upstream) -> None:
+    async with streaming(upstream) as conn:
+        await execute(upstream.url, "INSERT INTO items VALUES (1, 'a')")
+        commit = decoded((await transaction(conn))[-1])
+        assert isinstance(commit, Commit)
+
+        async def confirmed_lsn() -> int:
+            lsn = await slot_value(upstream.url, upstream.slot, "confirmed_flush_lsn")
+            return parse_lsn(str(lsn))
+
+        assert await confirmed_lsn() < commit.end_lsn
+        now_us = time.time_ns() // 1000
+        await conn.send_frame(standby_status_update(commit.end_lsn, now_unix_us=now_us))
+
+        async def confirmed() -> bool:
+            return await confirmed_lsn() >= commit.end_lsn
+
+        await eventually(confirmed, "the slot confirmed the commit")
+
+
+async def test_terminating_the_walsender_ends_the_stream_with_57p01(upstream: Upstream) -> None:
+    async with streaming(upstream) as conn:
+        await execute(upstream.url, f"SELECT pg_terminate_backend({conn.backend_pid})")
+        with pytest.raises(ReplicationStreamEnded) as info:
+            for _ in range(100):
+                await conn.read_frame(10)
+        assert info.value.sqlstate == "57P01"
+        assert "terminating connection due to administrator command" in str(info.value)
+        with pytest.raises(ReplicationStreamEnded) as again:
+            await conn.read_frame(1)
+        assert again.value is info.value
+
+
+async def test_a_missing_slot_and_a_slot_in_use_are_refused_with_their_sqlstates(
+    upstream: Upstream,
+) -> None:
+    conn = await ReplicationConnection.connect(upstream.url)
+    try:
+        with pytest.raises(StartReplicationError, match='"cs_no_such_slot" does not exist') as info:
+            await conn.start_replication("cs_no_such_slot", 0, ["pub"])
+        assert info.value.sqlstate == "42704"
+        async with streaming(upstream):
+            with pytest.raises(StartReplicationError, match="is active for PID") as busy:
+                await conn.start_replication(upstream.slot, 0, ["pub"])
+            assert busy.value.sqlstate == "55006"
+
+        async def inactive() -> bool:
+            return await slot_value(upstream.url, upstream.slot, "active") is False
+
+        await eventually(inactive, "the other stream let go of the slot")
+        # After a refusal the same connection can start replication (source._start retries).
+        await conn.start_replication(upstream.slot, 0, ["pub"])
+        await execute(upstream.url, "INSERT INTO items VALUES (1, 'a')")
+        assert len(await transaction(conn)) == 4
+    finally:
+        await conn.close()
+
+
+# -- connecting ---------------------------------------------------------------------
+
+
+async def test_a_server_that_refuses_the_login_says_why_in_one_line(db_url: str) -> None:
+    with pytest.raises(ConnectError) as info:
+        await ReplicationConnection.connect(make_conninfo(db_url, dbname="cs_no_such_database"))
+    assert str(info.value).endswith('FATAL: database "cs_no_such_database" does not exist')
+    assert "\n" not in str(info.value)
+    assert info.value.sqlstate == "3D000"
+
+
+async def test_an_unreachable_host_is_one_line_and_the_next_host_is_tried(db_url: str) -> None:
+    port = unused_port()
+    with pytest.raises(
+        ConnectError, match=rf'^connection to server at "127.0.0.1", port {port} failed'
+    ):
+        await ReplicationConnection.connect(f"host=127.0.0.1 port={port} user=postgres")
+    params = conninfo_to_dict(db_url)
+    conninfo = make_conninfo(
+        db_url, host=f"127.0.0.1,{params['host']}", port=f"{port},{params['port']}"
+    )
+    conn = await ReplicationConnection.connect(conninfo)
+    await conn.close()
+
+
+async def test_a_connect_that_takes_too_long_gives_up(db_url: str) -> None:
+    listener = socket.socket()  # accepts nothing, answers nothing
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    try:
+        port = listener.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(ConnectError, match=f'at "127.0.0.1", port {port} failed: timeout'):
+            await ReplicationConnection.connect(f"host=127.0.0.1 port={port}", timeout_s=0.3)
+        assert time.monotonic() - started < 5
+    finally:
+        listener.close()
+
+
+async def test_a_unix_socket_directory_connects(upstream: Upstream) -> None:
+    params = conninfo_to_dict(upstream.url)
+    socket_dir = "/var/run/postgresql"
+    if not os.path.exists(f"{socket_dir}/.s.PGSQL.{params['port']}"):
+        pytest.skip(f"no Postgres socket in {socket_dir} for port {params['port']}")
+    conn = await ReplicationConnection.connect(make_conninfo(upstream.url, host=socket_dir))
+    try:
+        await conn.start_replication(upstream.slot, 0, ["pub"])
+        await execute(upstream.url, "INSERT INTO items VALUES (1, 'a')")
+        assert len(await transaction(conn)) == 4
+    finally:
+        await conn.close()
+
+
+async def server_ssl(url: str) -> bool:
+    async with await psycopg.AsyncConnection.connect(url) as c:
+        cur = await c.execute("SHOW ssl")
+        row = await cur.fetchone()
+        return row is not None and row[0] == "on"
+
+
+async def test_sslmode_against_the_local_server(db_url: str) -> None:
+    """TLS itself is tested against a private server with certificates
+    (test_pgwire); here: what the shared server does with each mode."""
+    for mode in ("disable", "prefer", "allow"):
+        conn = await ReplicationConnection.connect(make_conninfo(db_url, sslmode=mode))
+        await conn.close()
+    if not await server_ssl(db_url):
+        with pytest.raises(ConnectError, match="server does not support SSL, but SSL was required"):
+            await ReplicationConnection.connect(make_conninfo(db_url, sslmode="require"))
+        pytest.skip("the local server has ssl=off: sslmode=require cannot connect to it")
+    conn = await ReplicationConnection.connect(make_conninfo(db_url, sslmode="require"))
+    await conn.close()
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

@@ -1,0 +1,568 @@
+"""Connecting as libpq does: conninfo and its defaults, the password file, SCRAM,
+MD5, cleartext passwords and TLS.
+
+The first half is the sans-I/O part against known answers (RFC 7677's SCRAM
+example, MD5's formula, libpq's defaults). The second logs in to a private
+Postgres started for this module (the shared server trusts everyone and has no
+TLS): its pg_hba asks each user for another method, and it serves TLS with a
+certificate of a CA made here. Without the server binaries (or openssl, for
+TLS) those tests are skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import shutil
+import socket
+import struct
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from app.sources.postgres import pgwire
+from app.sources.postgres.connection import FramePieces, ReplicationConnection
+from app.sources.postgres.pgoutput import Insert, XLogData, decode_message, parse_copy_data
+from app.sources.postgres.pgwire import ConnectError, ScramSha256, Startup, parse_conninfo
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No PG* variable, ~/.pgpass or ~/.postgresql of whoever runs the tests."""
+    for name in list(os.environ):
+        if name.startswith("PG"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+# -- SCRAM-SHA-256 and MD5 -----------------------------------------------------------
+
+RFC_7677_SERVER_FIRST = (
+    b"r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,s=W22ZaJ0SNY7soEsUEjb6gQ==,i=4096"
+)
+
+
+def rfc_7677_client() -> ScramSha256:
+    return ScramSha256("pencil", user="user", nonce="rOprNGfwEbeRWgbNEkqO")
+
+
+def test_scram_sha_256_gives_rfc_7677s_messages() -> None:
+    scram = rfc_7677_client()
+    assert scram.client_first() == b"n,,n=user,r=rOprNGfwEbeRWgbNEkqO"
+    assert scram.client_final(RFC_7677_SERVER_FIRST) == (
+        b"c=biws,r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,"
+        b"p=dHzbZapWIk4jUhN+Ute9ytag9zjfMHgsqmmiz7AndVQ="
+    )
+    assert not scram.verified
+    scram.verify_server_final(b"v=6rriTRBi23WpRR/wtup+mMhUZUn/dB5nLTJRsjl95G4=")
+    assert scram.verified
+
+
+def test_scram_refuses_a_server_that_does_not_know_the_password() -> None:
+    scram = rfc_7677_client()
+    scram.client_final(RFC_7677_SERVER_FIRST)
+    with pytest.raises(ConnectError, match="signature is wrong"):
+        scram.verify_server_final(b"v=AAAATRBi23WpRR/wtup+mMhUZUn/dB5nLTJRsjl95G4=")
+    with pytest.raises(ConnectError, match="nonce does not extend ours"):
+        rfc_7677_client().client_final(b"r=someone-else,s=W22ZaJ0SNY7soEsUEjb6gQ==,i=4096")
+
+
+def test_md5_answer_is_md5_of_md5_of_password_and_user_then_salt() -> None:
+    import hashlib
+
+    inner = hashlib.md5(b"secretalice").hexdigest()
+    expected = "md5" + hashlib.md5(inner.encode() + b"\x01\x02\x03\x04").hexdigest()
+    assert pgwire.md5_password("alice", "secret", b"\x01\x02\x03\x04") == expected.encode()
+
+
+# -- conninfo --------------------------------------------------------------------------
+
+
+def test_a_url_and_key_value_pairs_give_the_same_parameters() -> None:
+    url = parse_conninfo(
+        "postgres://u:p%40ss@db.example:6000/app?sslmode=require&application_name=x"
+    )
+    kv = parse_conninfo(
+        "host=db.example port=6000 user=u password=p@ss dbname=app sslmode=require "
+        "application_name=x"
+    )
+    assert url == kv
+    assert url.hosts == (("db.example", 6000),)
+    assert (url.user, url.password, url.dbname, url.sslmode) == ("u", "p@ss", "app", "require")
+
+
+def test_what_the_conninfo_leaves_out_comes_from_libpqs_environment_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in {
+        "PGHOST": "envhost",
+        "PGPORT": "6543",
+        "PGUSER": "envuser",
+        "PGPASSWORD": "envpass",
+        "PGDATABASE": "envdb",
+        "PGSSLMODE": "verify-full",
+        "PGAPPNAME": "envapp",
+        "PGCONNECT_TIMEOUT": "1",
+        "PGOPTIONS": "-c work_mem=64MB",
+    }.items():
+        monkeypatch.setenv(name, value)
+    params = parse_conninfo("dbname=given")
+    assert params.hosts == (("envhost", 6543),)
+    assert (params.user, params.password, params.dbname) == ("envuser", "envpass", "given")
+    assert (params.sslmode, params.application_name) == ("verify-full", "envapp")
+    assert params.options == "-c work_mem=64MB"
+    assert params.connect_timeout_s == 2  # libpq's minimum
+
+
+def test_without_a_host_the_default_unix_socket_is_used_and_the_db_is_named_after_the_user() -> (
+    None
+):
+    params = parse_conninfo("user=someone")
+    assert params.hosts == ((pgwire.default_socket_dir(), 5432),)
+    assert params.dbname == "someone"
+    assert params.sslmode == "prefer"
+    assert params.connect_timeout_s is None
+    assert parse_conninfo("").user == pwd.getpwuid(os.geteuid()).pw_name
+
+
+def test_several_hosts_are_tried_with_their_ports() -> None:
+    assert parse_conninfo("host=a,b,/run/pg port=1,2,3").hosts == (
+        ("a", 1),
+        ("b", 2),
+        ("/run/pg", 3),
+    )
+    assert parse_conninfo("postgres://a,b:7/db").hosts == (("a", 5432), ("b", 7))
+    assert parse_conninfo("host=a,b port=9").hosts == (("a", 9), ("b", 9))
+    with pytest.raises(ConnectError, match="could not match 2 port numbers to 3 hosts"):
+        parse_conninfo("host=a,b,c port=1,2")
+
+
+@pytest.mark.parametrize(
+    ("conninfo", "refused"),
+    [
+        ("service=mine", "service$"),
+        ("hostaddr=10.0.0.1", "hostaddr$"),
+        ("sslpassword=secret", "sslpassword$"),
+        ("target_session_attrs=read-write", "target_session_attrs='read-write'"),
+        ("channel_binding=require", "channel_binding='require'"),
+        ("client_encoding=LATIN1", "client_encoding='LATIN1'"),
+        ("require_auth=password", "require_auth$"),
+    ],
+)
+def test_options_that_would_change_the_connection_are_refused_by_name(
+    conninfo: str, refused: str
+) -> None:
+    with pytest.raises(ConnectError, match=f"does not support {refused}"):
+        parse_conninfo(conninfo)
+
+
+def test_options_that_only_tune_what_we_do_not_do_are_accepted() -> None:
+    parse_conninfo(
+        "keepalives=1 keepalives_idle=30 sslsni=0 client_encoding=utf8 gssencmode=prefer"
+    )
+    with pytest.raises(ConnectError, match="invalid connection string"):
+        parse_conninfo("no_such_option=1")
+    with pytest.raises(ConnectError, match="invalid sslmode"):
+        parse_conninfo("sslmode=sometimes")
+
+
+# -- the password file -----------------------------------------------------------
+
+
+def write_passfile(path: Path, text: str, mode: int = 0o600) -> str:
+    path.write_text(text)
+    path.chmod(mode)
+    return str(path)
+
+
+def test_the_password_file_gives_the_first_matching_line(tmp_path: Path) -> None:
+    passfile = write_passfile(
+        tmp_path / "pgpass",
+        "# comment\n"
+        "db.example:5432:app:alice:first\n"
+        "db.example:5432:app:alice:second\n"
+        "*:*:*:bob:bob\\:s:pass\n"
+        "other\\:host:*:*:*:escaped\n"
+        "localhost:5432:*:carol:on-the-socket\n",
+    )
+    assert pgwire.password_from_file(passfile, "db.example", 5432, "app", "alice") == "first"
+    assert pgwire.password_from_file(passfile, "db.example", 5433, "app", "alice") is None
+    assert pgwire.password_from_file(passfile, "anywhere", 1, "x", "bob") == "bob:s:pass"
+    assert pgwire.password_from_file(passfile, "other:host", 1, "x", "y") == "escaped"
+    socket_dir = pgwire.default_socket_dir()
+    assert pgwire.password_from_file(passfile, socket_dir, 5432, "x", "carol") == "on-the-socket"
+
+
+def test_a_password_file_others_can_read_is_ignored(tmp_path: Path) -> None:
+    passfile = write_passfile(tmp_path / "pgpass", "*:*:*:*:secret\n", mode=0o644)
+    assert pgwire.password_from_file(passfile, "h", 1, "d", "u") is None
+    assert pgwire.password_from_file(str(tmp_path / "missing"), "h", 1, "d", "u") is None
+
+
+def test_the_password_file_is_pgpassfile_or_dot_pgpass_in_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert parse_conninfo("").passfile == str(tmp_path / ".pgpass")
+    monkeypatch.setenv("PGPASSFILE", str(tmp_path / "elsewhere"))
+    assert parse_conninfo("").passfile == str(tmp_path / "elsewhere")
+
+
+# -- the startup conversation (sans-I/O) ---------------------------------------------
+
+
+def auth_request(code: int, data: bytes = b"") -> bytes:
+    return struct.pack("!I", code) + data
+
+
+def startup(conninfo: str) -> Startup:
+    return Startup(parse_conninfo(conninfo), "db.example", 5432)
+
+
+def test_startup_message_asks_for_a_logical_replication_connection() -> None:
+    message = startup("user=alice dbname=app application_name=me options=-cx=1").message()
+    (length, version) = struct.unpack_from("!II", message)
+    assert (length, version) == (len(message), 196608)
+    pairs = message[8:].split(b"\x00")
+    assert dict(zip(pairs[0:-2:2], pairs[1:-2:2], strict=True)) == {
+        b"user": b"alice",
+        b"database": b"app",
+        b"replication": b"database",
+        b"client_encoding": b"UTF8",
+        b"application_name": b"me",
+        b"options": b"-cx=1",
+    }
+
+
+def test_startup_answers_password_requests_and_reads_what_the_server_tells() -> None:
+    s = startup("user=alice password=secret")
+    assert s.receive(ord("R"), auth_request(3)) == b"p\x00\x00\x00\x0bsecret\x00"
+    md5 = pgwire.md5_password("alice", "secret", b"salt")
+    assert s.receive(ord("R"), auth_request(5, b"salt")) == b"p\x00\x00\x00\x28" + md5 + b"\x00"
+    assert s.receive(ord("R"), auth_request(0)) == b""
+    s.receive(ord("S"), b"server_version\x0015.2\x00")
+    s.receive(ord("K"), struct.pack("!II", 4242, 7))
+    ready_before = s.ready
+    s.receive(ord("Z"), b"I")
+    assert (ready_before, s.ready) == (False, True)
+    assert (s.backend_pid, s.parameters) == (4242, {"server_version": "15.2"})
+
+
+def test_startup_refuses_what_it_cannot_do_with_a_reason() -> None:
+    with pytest.raises(ConnectError, match=r"none was given \(in the connection string"):
+        startup("user=alice").receive(ord("R"), auth_request(10, b"SCRAM-SHA-256\x00\x00"))
+    with pytest.raises(
+        ConnectError, match=r"SASL mechanisms \['SCRAM-SHA-256-PLUS'\] is supported"
+    ):
+        startup("password=x").receive(ord("R"), auth_request(10, b"SCRAM-SHA-256-PLUS\x00\x00"))
+    with pytest.raises(ConnectError, match="authentication method GSSAPI is not supported"):
+        startup("password=x").receive(ord("R"), auth_request(7))
+    s = startup("password=x")
+    s.receive(ord("R"), auth_request(10, b"SCRAM-SHA-256-PLUS\x00SCRAM-SHA-256\x00\x00"))
+    with pytest.raises(ConnectError, match="ended SCRAM before proving it knows the password"):
+        s.receive(ord("R"), auth_request(0))
+    error = b'SFATAL\x00VFATAL\x00C3D000\x00Mdatabase "nope" does not exist\x00\x00'
+    with pytest.raises(ConnectError, match=r'^FATAL: database "nope" does not exist$') as info:
+        startup("").receive(ord("E"), error)
+    assert info.value.sqlstate == "3D000"
+
+
+# -- a private server: passwords and TLS for real -----------------------------------
+
+CA_NAME = "changestreamer test CA"
+
+
+@dataclass(frozen=True)
+class PrivateServer:
+    port: int
+    socket_dir: str
+    certs: Path | None  # ca.crt (the server's CA) and other-ca.crt; None without openssl
+
+    def conninfo(self, user: str, extra: str = "") -> str:
+        return f"host=127.0.0.1 port={self.port} dbname=postgres user={user} {extra}".strip()
+
+    def admin_url(self) -> str:
+        return f"host={self.socket_dir} port={self.port} dbname=postgres user=postgres"
+
+
+PASSWORDS = {
+    "scram_user": "pencil",
+    "md5_user": "md5 secret",
+    "pw_user": "clear text",
+    "tls_user": "tls",
+}
+PG_HBA = """\
+local all all trust
+host all postgres 127.0.0.1/32 trust
+host all scram_user 127.0.0.1/32 scram-sha-256
+host all md5_user 127.0.0.1/32 md5
+host all pw_user 127.0.0.1/32 password
+hostssl all tls_user 127.0.0.1/32 scram-sha-256
+hostnossl all tls_user 127.0.0.1/32 reject
+"""
+
+
+def server_bindir() -> Path | None:
+    try:
+        out = subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    bindir = Path(out.stdout.strip())
+    if (bindir / "initdb").exists():
+        return bindir
+    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    return versions[-1].parent if versions else None
+
+
+def make_certs(root: Path) -> Path | None:
+    """A CA, a server certificate it signed (localhost, 127.0.0.1), and another CA."""
+    if shutil.which("openssl") is None:
+        return None
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"]
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=root, check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-subj", f"/CN={CA_NAME}")
+    openssl(
+        "req", "-x509", *ec, "-keyout", "other-ca.key", "-out", "other-ca.crt", "-subj", "/CN=x"
+    )
+    openssl(
+        "req", *ec[:-2], "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"
+    )
+    (root / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    openssl(
+        "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "san.ext",
+    )  # fmt: skip
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def private_server() -> Iterator[PrivateServer]:
+    bindir = server_bindir()
+    if bindir is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) to start a private server")
+    prefix: list[str] = []
+    root = Path(tempfile.mkdtemp(prefix="cs-pgwire-"))
+    if os.geteuid() == 0:  # the server refuses to run as root
+        try:
+            owner = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no postgres user to run a private server")
+        prefix = ["runuser", "-u", "postgres", "--"]
+    try:
+        certs = make_certs(root)
+        if prefix:
+            for path in [root, *root.iterdir()]:
+                os.chown(path, owner.pw_uid, owner.pw_gid)
+        data = root / "data"
+
+        def run(*args: str) -> None:
+            done = subprocess.run([*prefix, *args], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, f"{args[0]} failed: {done.stdout}{done.stderr}"
+
+        run(str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync")
+        port = free_port()
+        settings = {
+            "port": str(port),
+            "listen_addresses": "'127.0.0.1'",
+            "unix_socket_directories": f"'{root}'",
+            "wal_level": "logical",
+            "fsync": "off",
+        }
+        if certs is not None:
+            (root / "server.key").chmod(0o600)
+            settings |= {
+                "ssl": "on",
+                "ssl_cert_file": f"'{root / 'server.crt'}'",
+                "ssl_key_file": f"'{root / 'server.key'}'",
+            }
+        with open(data / "postgresql.conf", "a") as conf:
+            conf.writelines(f"{k} = {v}\n" for k, v in settings.items())
+        (data / "pg_hba.conf").write_text(PG_HBA)
+        run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "start")
+        server = PrivateServer(port, str(root), certs)
+        try:
+            with psycopg.connect(server.admin_url(), autocommit=True) as c:
+                for user, password in PASSWORDS.items():
+                    method = "md5" if user == "md5_user" else "scram-sha-256"
+                    c.execute(f"SET password_encryption = '{method}'")
+                    c.execute(
+                        f"CREATE ROLE {user} LOGIN REPLICATION PASSWORD '{password}'".encode()
+                    )
+            yield server
+        finally:
+            run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def is_tls(server: PrivateServer, pid: int) -> bool:
+    async with await psycopg.AsyncConnection.connect(server.admin_url()) as c:
+        cur = await c.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = %s", (pid,))
+        row = await cur.fetchone()
+        assert row is not None
+        return bool(row[0])
+
+
+@pytest.mark.parametrize("user", ["scram_user", "md5_user", "pw_user"])
+async def test_each_password_method_logs_in(private_server: PrivateServer, user: str) -> None:
+    info = private_server.conninfo(user, f"password='{PASSWORDS[user]}' sslmode=disable")
+    conn = await ReplicationConnection.connect(info)
+    try:
+        assert conn.backend_pid > 0
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("user", ["scram_user", "md5_user", "pw_user"])
+async def test_a_wrong_password_is_one_clear_line(private_server: PrivateServer, user: str) -> None:
+    info = private_server.conninfo(user, "password=wrong sslmode=disable")
+    with pytest.raises(ConnectError) as failed:
+        await ReplicationConnection.connect(info)
+    assert str(failed.value) == (
+        f'connection to server at "127.0.0.1", port {private_server.port} failed: '
+        f'FATAL: password authentication failed for user "{user}"'
+    )
+    assert failed.value.sqlstate == "28P01"
+
+
+async def test_the_password_comes_from_the_password_file(
+    private_server: PrivateServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passfile = write_passfile(
+        tmp_path / "pgpass", f"127.0.0.1:{private_server.port}:postgres:scram_user:pencil\n"
+    )
+    monkeypatch.setenv("PGPASSFILE", passfile)
+    conn = await ReplicationConnection.connect(private_server.conninfo("scram_user"))
+    await conn.close()
+    with pytest.raises(ConnectError, match="none was given"):
+        await ReplicationConnection.connect(private_server.conninfo("md5_user"))
+
+
+def tls_server(server: PrivateServer) -> Path:
+    if server.certs is None:
+        pytest.skip("no openssl to make the private server's certificates")
+    return server.certs
+
+
+async def test_tls_as_each_sslmode_asks(private_server: PrivateServer) -> None:
+    certs = tls_server(private_server)
+    ca, other_ca = certs / "ca.crt", certs / "other-ca.crt"
+    password = "password=tls"
+    for extra in (
+        "sslmode=require",
+        "sslmode=prefer",
+        "sslmode=allow",  # tls_user is refused in plain: allow then tries TLS
+        f"sslmode=verify-ca sslrootcert={ca}",
+        f"sslmode=verify-full sslrootcert={ca}",
+        f"sslmode=verify-full sslrootcert={ca} host=localhost",
+    ):
+        conn = await ReplicationConnection.connect(
+            private_server.conninfo("tls_user", f"{password} {extra}")
+        )
+        try:
+            assert await is_tls(private_server, conn.backend_pid), extra
+        finally:
+            await conn.close()
+
+    with pytest.raises(ConnectError, match="no encryption") as refused:
+        await ReplicationConnection.connect(
+            private_server.conninfo("tls_user", f"{password} sslmode=disable")
+        )
+    assert refused.value.sqlstate == "28000"
+    with pytest.raises(ConnectError, match="certificate verify failed"):
+        await ReplicationConnection.connect(
+            private_server.conninfo(
+                "tls_user", f"{password} sslmode=verify-ca sslrootcert={other_ca}"
+            )
+        )
+    with pytest.raises(ConnectError, match=r'root certificate file ".*missing.crt" does not exist'):
+        await ReplicationConnection.connect(
+            private_server.conninfo(
+                "tls_user", f"{password} sslmode=verify-full sslrootcert={certs}/missing.crt"
+            )
+        )
+
+
+async def test_a_root_certificate_in_home_makes_require_verify(
+    private_server: PrivateServer, tmp_path: Path
+) -> None:
+    certs = tls_server(private_server)
+    (tmp_path / ".postgresql").mkdir()
+    shutil.copy(certs / "other-ca.crt", tmp_path / ".postgresql" / "root.crt")
+    with pytest.raises(ConnectError, match="certificate verify failed"):
+        await ReplicationConnection.connect(
+            private_server.conninfo("tls_user", "password=tls sslmode=require")
+        )
+
+
+async def test_a_large_frame_streams_in_pieces_over_tls(private_server: PrivateServer) -> None:
+    await a_large_frame_in_pieces_over_tls(private_server, "on_asyncio")
+
+
+def test_a_large_frame_streams_in_pieces_over_tls_on_uvloop(private_server: PrivateServer) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    uvloop.run(a_large_frame_in_pieces_over_tls(private_server, "on_uvloop"))
+
+
+async def a_large_frame_in_pieces_over_tls(server: PrivateServer, name: str) -> None:
+    tls_server(server)
+    value = os.urandom(3 << 20).hex()  # 6 MiB of text that does not compress
+    slot = f"big_{name}"
+    async with await psycopg.AsyncConnection.connect(server.admin_url(), autocommit=True) as c:
+        await c.execute(f"CREATE TABLE big_{name} (id int PRIMARY KEY, v text)".encode())
+        await c.execute(f"CREATE PUBLICATION pub_{name} FOR TABLE big_{name}".encode())
+        await c.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+        try:
+            conn = await ReplicationConnection.connect(
+                server.conninfo("tls_user", "password=tls sslmode=require")
+            )
+            try:
+                await conn.start_replication(slot, 0, [f"pub_{name}"])
+                await c.execute(f"INSERT INTO big_{name} VALUES (1, %s)".encode(), (value,))
+                pieces = await first_large_frame(conn, 1 << 20)
+                assert await is_tls(server, conn.backend_pid)
+            finally:
+                await conn.close()
+            frame = b"".join(pieces.chunks)
+            assert value.encode() in frame
+            assert all(len(chunk) <= 1 << 20 for chunk in pieces.chunks)
+            xlog = parse_copy_data(frame)
+            assert isinstance(xlog, XLogData)
+            assert isinstance(decode_message(xlog.payload), Insert)
+        finally:
+            await drop_slot_once_released(c, slot)
+
+
+async def drop_slot_once_released(c: psycopg.AsyncConnection[object], slot: str) -> None:
+    """The walsender ends a moment after our socket closes; then the slot can go."""
+    for _ in range(200):
+        try:
+            await c.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            return
+        except psycopg.errors.ObjectInUse:
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"slot {slot} still in use 10 s after the connection closed")
+
+
+async def first_large_frame(conn: ReplicationConnection, pieces_over: int) -> FramePieces:
+    for _ in range(100):
+        frame = await conn.read_frame(10, pieces_over=pieces_over)
+        assert frame is not None, "no frame within 10 s"
+        if isinstance(frame, FramePieces):
+            return frame
+    raise AssertionError("no frame came in pieces")
