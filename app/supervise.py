@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from app.sources.backoff import Backoff
+from app.timeouts import within
 
 __all__ = ["LOG_LEVELS", "ChildSpec", "ChildState", "SupervisedChild"]
 
@@ -127,7 +128,7 @@ class SupervisedChild:
             delay = backoff.next_delay()
             spec.log.warning("%s exited (code %s); restarting in %.1f s", spec.name, code, delay)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), delay)
+                await within(self._stopped.wait(), delay)
         return None
 
     async def stop(self) -> None:
@@ -139,7 +140,7 @@ class SupervisedChild:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), self.spec.stop_timeout_s)
+            await within(proc.wait(), self.spec.stop_timeout_s)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

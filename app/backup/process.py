@@ -25,6 +25,7 @@ from typing import Final
 from app.backup.config import BackupConfigError, LitestreamOptions, render
 from app.supervise import LOG_LEVELS, MAX_LINE, ChildSpec, SupervisedChild
 from app.supervise import ChildState as RunnerState
+from app.timeouts import within
 
 __all__ = [
     "LitestreamRunner",
@@ -145,7 +146,7 @@ async def run_litestream(
         stderr=asyncio.subprocess.STDOUT,
     )
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+        out, _ = await within(proc.communicate(), timeout_s)
     except (TimeoutError, asyncio.CancelledError):
         with contextlib.suppress(ProcessLookupError):
             proc.kill()

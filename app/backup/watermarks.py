@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Final
 
 from app.sources.backoff import Backoff
+from app.timeouts import within
 
 __all__ = [
     "BackedUpWatermark",
@@ -95,7 +96,7 @@ class _Stoppable:
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopped.wait(), seconds)
+            await within(self._stopped.wait(), seconds)
 
 
 class ReplicaPoller(_Stoppable):
@@ -142,7 +143,7 @@ class VfsProbe:
         try:
             proc.stdin.write(b"fresh\n" if fresh else b"\n")
             await proc.stdin.drain()
-            line = await asyncio.wait_for(proc.stdout.readline(), self._timeout_s)
+            line = await within(proc.stdout.readline(), self._timeout_s)
         except (TimeoutError, ConnectionError, asyncio.CancelledError) as e:
             await self.close()  # its answer would be read as the next probe's
             if isinstance(e, asyncio.CancelledError):
@@ -188,7 +189,7 @@ class VfsProbe:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+            await within(proc.wait(), STOP_TIMEOUT_S)
 
 
 def _covered(remote: LocalState, local: LocalState | None) -> str:

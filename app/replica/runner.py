@@ -40,6 +40,7 @@ from app.replica.errors import ResyncRequiredError
 from app.replica.replicator import Replicator
 from app.replica.writer import CommitResult
 from app.sources.backoff import Backoff
+from app.timeouts import within
 
 __all__ = ["run_replicator"]
 
@@ -91,7 +92,7 @@ async def run_replicator(
             if commits:
                 delays.reset()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delays.next_delay())
+                await within(stop.wait(), delays.next_delay())
 
 
 async def _session(

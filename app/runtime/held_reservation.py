@@ -16,6 +16,8 @@ import logging
 import threading
 from typing import Final
 
+from app.timeouts import within
+
 __all__ = ["HeldReservation"]
 
 log = logging.getLogger(__name__)
@@ -70,9 +72,7 @@ class HeldReservation:
         from app.client.discovery import address_to_url
 
         client = ChangeStreamerClient(address_to_url(self.address), open_timeout_s=5.0)
-        _status, followup = await asyncio.wait_for(
-            client.reserve_snapshot(self._task_id), RESERVE_TIMEOUT_S
-        )
+        _status, followup = await within(client.reserve_snapshot(self._task_id), RESERVE_TIMEOUT_S)
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         self._reserved.set()
         try:

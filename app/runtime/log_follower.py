@@ -51,6 +51,7 @@ from app.replica.errors import ReplicaError, ResyncRequiredError
 from app.replica.replicator import ReplicaMessage, Replicator
 from app.storage import ChangeDb, ChangeLog, Replication, StoredRow
 from app.storage.engine import ChangeDbOptions, Shard, create_change_db, parse_change_db_url
+from app.timeouts import within
 
 __all__ = ["CHANGE_DB_ENV", "messages_from_rows", "run"]
 
@@ -134,7 +135,7 @@ class LogFollower:
             if self.notified > self._replicator.watermark:
                 continue  # a notification came in while applying: no wait
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(_first(self.wake, stop), self._poll_s)
+                await within(_first(self.wake, stop), self._poll_s)
 
 
 async def _first(*events: asyncio.Event) -> None:

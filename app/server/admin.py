@@ -93,6 +93,7 @@ from app.replica.schema import read_replica_state
 from app.server.heap import HeapBusy, HeapTracer, dump_bytes, render_report
 from app.server.metrics import latest_lag_report
 from app.streamer.service import ChangeStreamerService
+from app.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -489,7 +490,7 @@ async def service_stats(
 
 async def _guarded(compute: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
     try:
-        return await asyncio.wait_for(compute(), GROUP_TIMEOUT_S)
+        return await within(compute(), GROUP_TIMEOUT_S)
     except Exception as e:
         log.warning("a stats group failed: %s", _describe(e))
         return {"error": _describe(e)}

@@ -62,6 +62,7 @@ from fastapi.responses import Response
 from app.server.http_protocol import PendingLimits
 from app.storage import ChangeLog
 from app.streamer.service import ChangeStreamerService
+from app.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -170,14 +171,14 @@ class ChangeLogRows:
             ):
                 return cached[1]
             try:
-                rows = await asyncio.wait_for(change_log.count(), self._timeout_s)
+                rows = await within(change_log.count(), self._timeout_s)
             except Exception as e:
                 log.warning("metrics: counting the change log failed: %r", e)
                 self._cached = None
                 return None
             self._cached = (change_log, rows, self._clock())
             try:
-                self.bytes = await asyncio.wait_for(change_log.size_bytes(), self._timeout_s)
+                self.bytes = await within(change_log.size_bytes(), self._timeout_s)
             except Exception as e:
                 log.warning("metrics: sizing the change log failed: %r", e)
                 self.bytes = None

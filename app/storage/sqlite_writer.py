@@ -43,6 +43,7 @@ from app.protocol.pieces import Pieces, Text
 from app.storage import sqlite_group
 from app.storage.errors import DuplicateChangeError, StorageError
 from app.storage.sqlite_group import FRAME_HEADER, SqliteStatements, encode_frame
+from app.timeouts import within
 
 __all__ = ["SqliteWriterError", "SqliteWriterProcess"]
 
@@ -106,9 +107,7 @@ class SqliteWriterProcess:
             reader, writer = await self._started()
             try:
                 writer.write(request)
-                reply = await asyncio.wait_for(
-                    _send_and_read(reader, writer, texts), self._commit_timeout_s
-                )
+                reply = await within(_send_and_read(reader, writer, texts), self._commit_timeout_s)
             except TimeoutError:
                 await self._discard(kill=True)
                 raise SqliteWriterError(
@@ -180,7 +179,7 @@ class SqliteWriterProcess:
         self.starts += 1
         try:
             self._reader, self._writer = await asyncio.open_connection(sock=ours)
-            hello = await asyncio.wait_for(_read_frame(self._reader), self._start_timeout_s)
+            hello = await within(_read_frame(self._reader), self._start_timeout_s)
         except BaseException as e:
             await self._discard()
             if isinstance(e, (TimeoutError, asyncio.IncompleteReadError)):
@@ -208,14 +207,14 @@ class SqliteWriterProcess:
             return
         if not kill:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+                await within(proc.wait(), STOP_TIMEOUT_S)
             if proc.returncode is None:
                 log.warning("SQLite writer process %s did not exit; killing it", proc.pid)
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             try:
-                await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+                await within(proc.wait(), STOP_TIMEOUT_S)
             except TimeoutError:
                 log.error("SQLite writer process %s survived SIGKILL; leaving it", proc.pid)
 

@@ -30,6 +30,7 @@ from app.protocol.lexi import lsn_to_watermark
 from app.sources.postgres.errors import AutoResetRequired, SlotCreationError
 from app.sources.postgres.published import PublishedSchema
 from app.sources.postgres.shard import ShardConfig, drop_shard
+from app.timeouts import within
 
 __all__ = [
     "CREATE_SLOT_TIMEOUT_S",
@@ -233,7 +234,7 @@ async def _create_slot(
         pgsql.Identifier(name)
     )
     try:
-        cur = await asyncio.wait_for(repl.execute(command), timeout_s)
+        cur = await within(repl.execute(command), timeout_s)
     except TimeoutError as e:
         raise SlotCreationError(
             f"Timed out after {timeout_s:g} s creating replication slot {name}"
