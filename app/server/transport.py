@@ -25,13 +25,16 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from functools import partial
+from typing import cast
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.protocol.envelope import AckError, parse_ack
-from app.protocol.wsframes import encode_envelopes, envelope_texts, frame_count
+from app.protocol.pieces import Pieces, Text
+from app.protocol.wsframes import encode_envelopes, envelope_texts, fragment_frames, frame_count
 from app.server.ws_protocol import DIRECT, DirectSocket
 from app.streamer.downstream import Downstream, DownstreamClosed
+from app.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +135,7 @@ class Outbound:
         self.ack(ack)
 
     async def send(
-        self, messages: list[str], downstream: Downstream | None, *, per_frame: int = 1
+        self, messages: list[Text], downstream: Downstream | None, *, per_frame: int = 1
     ) -> None:
         """Sends ``messages`` in envelopes with the next ids — one message a frame
         (v6), or batch frames of up to ``per_frame`` (v7) — written together when the
@@ -142,22 +145,59 @@ class Outbound:
         if not messages:
             return
         async with self._lock:
-            first = self._next_id
-            self._next_id += frame_count(len(messages), per_frame)
-            if downstream is None:
-                self._runs.append((self._next_id - 1, None, 0))
-            else:
-                whole, rest = divmod(len(messages), per_frame)
-                if whole:
-                    self._runs.append((first + whole - 1, downstream, per_frame))
-                if rest:
-                    self._runs.append((first + whole, downstream, rest))
-            direct = self._direct
-            if direct is not None and direct.can_write():
-                direct.write(encode_envelopes(first, messages, per_frame))
+            if Pieces not in map(type, messages):
+                await self._send_whole(messages, downstream, per_frame)
                 return
-            for text in envelope_texts(first, messages, per_frame):
-                await self._websocket.send_text(text)
+            start = 0
+            for i, message in enumerate(messages):
+                if isinstance(message, Pieces):
+                    if i > start:
+                        await self._send_whole(messages[start:i], downstream, per_frame)
+                    await self._send_pieces(message, downstream)
+                    start = i + 1
+            if start < len(messages):
+                await self._send_whole(messages[start:], downstream, per_frame)
+
+    async def _send_whole(
+        self, messages: list[Text], downstream: Downstream | None, per_frame: int
+    ) -> None:
+        """``send`` of messages that are all ``str`` (under the lock)."""
+        texts = cast(list[str], messages)
+        first = self._next_id
+        self._next_id += frame_count(len(messages), per_frame)
+        if downstream is None:
+            self._runs.append((self._next_id - 1, None, 0))
+        else:
+            whole, rest = divmod(len(messages), per_frame)
+            if whole:
+                self._runs.append((first + whole - 1, downstream, per_frame))
+            if rest:
+                self._runs.append((first + whole, downstream, rest))
+        direct = self._direct
+        if direct is not None and direct.can_write():
+            direct.write(encode_envelopes(first, texts, per_frame))
+            return
+        for text in envelope_texts(first, texts, per_frame):
+            await self._websocket.send_text(text)
+
+    async def _send_pieces(self, message: Pieces, downstream: Downstream | None) -> None:
+        """A large message in a frame of its own (``msg``, in v7 too), written a
+        piece at a time as fragments of one websocket message, the loop free
+        between them (under the lock, so no other data frame comes between)."""
+        frame_id = self._next_id
+        self._next_id += 1
+        self._runs.append((frame_id, downstream, 0 if downstream is None else 1))
+        envelope = '{"id":' + str(frame_id) + ',"msg":' + message + "}"
+        direct = self._direct
+        if direct is None:
+            # Only under another server than ours (ASGI has no fragments): whole.
+            await self._websocket.send_text(envelope.join())
+            return
+        for frame in fragment_frames(envelope.parts):
+            if not direct.can_write() and not await direct.wait_writable():
+                raise WebSocketDisconnect(1006, "connection closed while sending")
+            direct.write(frame)
+            await asyncio.sleep(0)  # one fragment per turn of the loop
 
     async def send_raw(self, text: str) -> None:
         """A frame outside the id sequence (an ack of a client frame)."""
@@ -247,7 +287,7 @@ async def run_until_done(
             with contextlib.suppress(BaseException):
                 await task
         try:
-            await asyncio.wait_for(close(websocket, violation, plain_close), CLOSE_TIMEOUT_S)
+            await within(close(websocket, violation, plain_close), CLOSE_TIMEOUT_S)
         except TimeoutError:
             log.info("stream %s: the client does not read; aborting the connection", name)
             abort(websocket)

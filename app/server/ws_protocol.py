@@ -96,6 +96,17 @@ class DirectSocket:
     def write(self, frames: bytes) -> None:
         self._protocol.transport.write(frames)
 
+    async def wait_writable(self) -> bool:
+        """Waits until ``can_write``; False if the connection will not take frames
+        any more (closing, closed). Unbounded, like a send: a client that stops
+        reading is dropped by its channel's bounds, which end the sender."""
+        protocol = self._protocol
+        while not protocol.can_write_frames():
+            if protocol.writable.is_set():
+                return False  # open for writing, but not for our frames: closing
+            await protocol.writable.wait()
+        return True
+
     def abort(self) -> None:
         """Closes the connection now, dropping unsent bytes (a client not reading)."""
         self._protocol.transport.abort()

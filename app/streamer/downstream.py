@@ -26,13 +26,14 @@ from collections.abc import Callable
 from typing import Literal, overload
 
 from app import speedups
+from app.protocol.pieces import Text
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNCONSUMED_BYTES = 64 * 1024 * 1024
 
 
-def _running_totals_py(ends: list[int], messages: list[str], total: int) -> int:
+def _running_totals_py(ends: list[int], messages: list[Text], total: int) -> int:
     """Appends the running byte total after each message to ``ends``; returns the
     last. ``app/streamer/_fanout.c`` is the same in C (it runs per change per
     subscriber)."""
@@ -42,7 +43,7 @@ def _running_totals_py(ends: list[int], messages: list[str], total: int) -> int:
     return total
 
 
-running_totals: Callable[[list[int], list[str], int], int]
+running_totals: Callable[[list[int], list[Text], int], int]
 # C unless not built here or CHANGESTREAMER_SPEEDUPS=0 (same results, slower).
 _fanout = speedups.module("fanout")
 running_totals = _running_totals_py if _fanout is None else _fanout.running_totals
@@ -62,7 +63,7 @@ class Downstream:
         # their total: what the bound does not count.
         self._large: deque[tuple[int, int]] = deque()
         self._allowance = 0
-        self._unsent: deque[str] = deque()
+        self._unsent: deque[Text] = deque()
         # Byte accounting without a per-message record to pop: ``_ends[i]`` is the
         # running total of pushed bytes at the end of message ``_head + i + 1``
         # (numbered from 1), so consuming n messages is one index step.
@@ -113,13 +114,13 @@ class Downstream:
         self._on_consumed = callback
 
     @overload
-    def push(self, messages: list[str]) -> None: ...
+    def push(self, messages: list[Text]) -> None: ...
     @overload
-    def push(self, messages: list[str], *, track: Literal[True]) -> asyncio.Future[bool]: ...
+    def push(self, messages: list[Text], *, track: Literal[True]) -> asyncio.Future[bool]: ...
     @overload
-    def push(self, messages: list[str], *, track: bool) -> asyncio.Future[bool] | None: ...
+    def push(self, messages: list[Text], *, track: bool) -> asyncio.Future[bool] | None: ...
 
-    def push(self, messages: list[str], *, track: bool = False) -> asyncio.Future[bool] | None:
+    def push(self, messages: list[Text], *, track: bool = False) -> asyncio.Future[bool] | None:
         """Queues messages in order; with ``track``, returns the future of the last
         one's consumption.
 
@@ -155,7 +156,7 @@ class Downstream:
             self.close(reason)
         return future
 
-    async def get(self) -> str:
+    async def get(self) -> Text:
         """The next message to send; raises ``DownstreamClosed`` once closed."""
         while not self._unsent:
             if self._closed:
@@ -166,13 +167,13 @@ class Downstream:
             raise DownstreamClosed(self._close_reason or "closed")
         return self._unsent.popleft()
 
-    def get_nowait(self) -> str | None:
+    def get_nowait(self) -> Text | None:
         """Like ``get`` but returns None when nothing is ready (for batching senders)."""
         if self._closed or not self._unsent:
             return None
         return self._unsent.popleft()
 
-    def take(self, limit: int) -> list[str]:
+    def take(self, limit: int) -> list[Text]:
         """Up to ``limit`` more ready messages, without waiting (for batching senders)."""
         unsent = self._unsent
         if self._closed or not unsent:

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from sqlalchemy.exc import DBAPIError
 
-from app.protocol.canonical_json import dumps
+from app.protocol.canonical_json import dumps, dumps_text
 from app.protocol.codec import reconstruct
 from app.protocol.downstream import SYNTHETIC_ROLLBACK_JSON
 from app.protocol.errors import ErrorType
@@ -68,6 +68,7 @@ from app.streamer.rowrun import encode_rows
 from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, Storer
 from app.streamer.subscriber import Change, Mode, Subscriber, new_change
 from app.streamer.timers import LoopTimers, Timers
+from app.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,7 @@ class ChangeStreamerService:
                         level = logging.ERROR
                     log.log(level, "change stream failed (%s); retrying in %.3fs", error, delay)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopped.wait(), delay)
+                    await within(self._stopped.wait(), delay)
         finally:
             self.forwarder.stop_progress_monitor()
             await self.loop_lag.stop()
@@ -542,7 +543,7 @@ class ChangeStreamerService:
                     f"'data' change ({message.tag}) received before 'begin' message"
                 )
             self.changes += 1
-            return new_change(tx, message.tag, '["data",' + dumps(message.body) + "]")
+            return new_change(tx, message.tag, '["data",' + dumps_text(message.body) + "]")
         if kind is Begin:
             assert isinstance(message, Begin)
             if self._tx is not None:

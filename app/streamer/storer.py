@@ -47,12 +47,14 @@ from app.protocol.canonical_json import loads
 from app.protocol.changes import SCHEMA_CHANGE_TAGS
 from app.protocol.codec import change_tag, extract_change, reconstruct
 from app.protocol.errors import ErrorType
+from app.protocol.pieces import LARGE_TEXT_CHARS
 from app.storage import AbortError, AutoResetSignal, ChangeLog, Replication, StoredRow
 from app.storage.backfill import BookkeepingOp, bookkeeping_for
 from app.storage.changelog import WriteTransaction
 from app.streamer.subscriber import Change, Mode, Subscriber, new_change
 from app.streamer.tail import DEFAULT_TAIL_BYTES, LogTail
 from app.streamer.timers import TimerHandle, Timers
+from app.timeouts import within
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +196,7 @@ class Storer:
         for change in changes:
             watermark, tag, text = change
             if tag == "begin":
+                assert isinstance(text, str), "a begin is never large"
                 if tx is not None:
                     raise AssertionError(
                         f"begin {watermark} while transaction {tx.watermark} is open"
@@ -209,6 +212,7 @@ class Storer:
             if tx is None:
                 raise AssertionError(f"{tag} {watermark} outside a transaction")
             if tag == "commit":
+                assert isinstance(text, str), "a commit is never large"
                 body = extract_change(text)
                 self._queued_bytes += len(body)
                 tx.bytes += len(body)
@@ -224,12 +228,14 @@ class Storer:
                 tx = None
                 self._drop_building()
                 continue
-            body = text[8:-1]  # ["data",<change>]
+            # ["data",<change>]; a large one (Pieces) is cut at its ends only.
+            data = text[8:-1] if isinstance(text, str) else text.trim(8, 1)
             if tag in _SCHEMA_TAGS:  # its backfill bookkeeping goes with the commit
-                tx.ops.extend(bookkeeping_for(loads(body)))
+                assert isinstance(data, str), "a schema change is never large"
+                tx.ops.extend(bookkeeping_for(loads(data)))
             tx.pos += 1
-            tx.rows.append((tx.watermark, tx.pos, body, None))
-            size = len(body)
+            tx.rows.append((tx.watermark, tx.pos, data, None))
+            size = len(data)
             tx.bytes += size
             self._queued_bytes += size
             if tx.bytes >= self._open_tx_flush_bytes:
@@ -482,7 +488,7 @@ class Storer:
         self.abort()
         self._enqueue(_STOP)
         try:
-            await asyncio.wait_for(self._stopped.wait(), drain_timeout_s)
+            await within(self._stopped.wait(), drain_timeout_s)
         except TimeoutError:
             raise AbortError(
                 f"changeLog did not drain within {round(drain_timeout_s * 1000)}ms"
@@ -520,7 +526,14 @@ class Storer:
         held = self._tail.rows_from(start, up_to)
         if held is None:
             self.catchups_from_log += 1
-            return self._log.read(start, up_to, batch_size=self._catchup_batch, first_batch=first)
+            return self._log.read(
+                start,
+                up_to,
+                batch_size=self._catchup_batch,
+                first_batch=first,
+                # A large change comes back in pieces, never whole (decision 46).
+                pieces_over=LARGE_TEXT_CHARS,
+            )
         self.catchups_from_memory += 1
         return _ramped(held, first, self._catchup_batch)
 

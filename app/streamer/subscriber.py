@@ -25,6 +25,7 @@ from typing import Any, Literal, NamedTuple
 from app import speedups
 from app.protocol.downstream import status_json
 from app.protocol.errors import ErrorType, error_message_json
+from app.protocol.pieces import Text
 from app.streamer.downstream import Downstream
 
 log = logging.getLogger(__name__)
@@ -46,14 +47,14 @@ class Change(NamedTuple):
     """One message of the stream, as every stage takes it: its transaction's
     watermark, its tag (begin, commit, rollback, or the data change's) and the
     message's JSON text (``["data",{…}]``; the change log stores the change object
-    cut out of it, ``Storer.append``)."""
+    cut out of it, ``Storer.append``), in pieces when it is large (``Pieces``)."""
 
     watermark: str
     tag: str
-    json: str
+    json: Text
 
 
-def new_change(watermark: str, tag: str, json: str) -> Change:
+def new_change(watermark: str, tag: str, json: Text) -> Change:
     """``Change(watermark, tag, json)`` without NamedTuple's generated Python
     ``__new__`` (~0.2 against ~0.4-0.6 us): for the per-transaction paths."""
     return _tuple_new(Change, (watermark, tag, json))
@@ -67,7 +68,7 @@ def _select_live_py(
     watermark: str,
     unsupported: frozenset[str],
     pushed: int,
-    texts: list[str],
+    texts: list[Text],
     commits: deque[tuple[int, str]],
 ) -> str:
     """What a subscriber at ``watermark`` takes of a batch (live, caught up or
@@ -86,7 +87,7 @@ def _select_live_py(
 
 
 select_live: Callable[
-    [list[Change], str, frozenset[str], int, list[str], deque[tuple[int, str]]], str
+    [list[Change], str, frozenset[str], int, list[Text], deque[tuple[int, str]]], str
 ]
 # C unless not built here or CHANGESTREAMER_SPEEDUPS=0 (same results, slower).
 _fanout = speedups.module("fanout")
@@ -254,7 +255,7 @@ class Subscriber:
         ``track``, returns the consumption of the last change if it was taken."""
         if self._closed or not changes:
             return None
-        texts: list[str] = []
+        texts: list[Text] = []
         before = self.watermark
         after = self.watermark = select_live(
             changes, before, self._unsupported, self.downstream.pushed, texts, self._commits

@@ -23,16 +23,23 @@ raises :class:`MappingError`; the stream turns that into reset-required.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from app import speedups
 from app.protocol import canonical_json
+from app.protocol.canonical_json import JsonPieces
 from app.protocol.lexi import to_lexi
 from app.protocol.messages import Begin, ChangeSourceMessage, Commit, Data
 from app.sources.postgres.ddl import DdlEventProcessor
 from app.sources.postgres.errors import DdlError
+from app.sources.postgres.large_rows import (
+    LargeValue,
+    Values,
+    decode_row_chunks,
+    json_string_pieces,
+)
 from app.sources.postgres.pgoutput import (
     UNCHANGED_TOAST,
     Delete,
@@ -44,6 +51,7 @@ from app.sources.postgres.pgoutput import (
     Relation,
     Truncate,
     TupleData,
+    TupleValue,
     TypeMessage,
     Update,
     format_lsn,
@@ -130,6 +138,34 @@ class ChangeMapper:
             return None
         data: Data | None = _pgrows.decode(buffer, offset, self._specs)
         return data
+
+    async def map_large_row(
+        self, chunks: Sequence[bytes], offset: int
+    ) -> list[ChangeSourceMessage] | None:
+        """The Data of the row change at ``offset`` of a frame too large to join
+        (``large_rows``), its large text values as ``JsonPieces`` made a chunk per
+        turn of the loop; None if that message is not a row change."""
+        try:
+            row = decode_row_chunks(chunks, offset)
+            if row is None:
+                return None
+            rel = self._rel(row.relation_oid)
+            old = None if row.old is None else await _texts(rel, row.old)
+            new = None if row.new is None else await _texts(rel, row.new)
+        except (PgOutputError, ValueError) as e:
+            raise MappingError(f"{type(e).__name__}: {e}") from e
+        message: PgOutputMessage
+        if row.kind == "I":
+            assert new is not None
+            message = Insert(row.relation_oid, new)
+        elif row.kind == "U":
+            assert new is not None
+            message = Update(row.relation_oid, row.old_kind, old, new)
+        else:
+            assert old is not None
+            assert row.old_kind is not None
+            message = Delete(row.relation_oid, row.old_kind, old)
+        return self.map(message)
 
     def map(self, message: PgOutputMessage) -> list[ChangeSourceMessage]:
         try:
@@ -312,6 +348,8 @@ def _row(rel: _Rel, values: TupleData, fallback: dict[str, Any] | None = None) -
             row[name] = None
         elif type(v) is str:
             row[name] = parse(v)
+        elif type(v) is JsonPieces:  # a large text value (map_large_row)
+            row[name] = v
         elif v is UNCHANGED_TOAST:
             # JSON has no undefined: the column is left out unless the old row has it.
             if fallback is not None and name in fallback:
@@ -328,7 +366,24 @@ def _key(rel: _Rel, values: TupleData) -> dict[str, Any]:
         # NULL in a key tuple marks a non-key column: leave it out.
         if type(v) is str:
             key[rel.names[i]] = rel.parsers[i](v)
+        elif type(v) is JsonPieces:
+            key[rel.names[i]] = v
     return key
+
+
+async def _texts(rel: _Rel, values: Values) -> TupleData:
+    """``values`` with each ``LargeValue`` made a ``JsonPieces`` (a text column) or
+    a joined ``str`` (any other: parsed whole, see ``large_rows``)."""
+    out: list[TupleValue] = []
+    for i, v in enumerate(values):
+        if isinstance(v, LargeValue):
+            if i < len(rel.parsers) and rel.parsers[i] is str:
+                out.append(await json_string_pieces(v))
+            else:
+                out.append(v.join())
+        else:
+            out.append(v)
+    return tuple(out)
 
 
 def _truncating_ms(us: int) -> int:

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias
 
+from app.protocol.canonical_json import JsonPieces
+
 __all__ = [
     "PG_EPOCH_OFFSET_US",
     "UNCHANGED_TOAST",
@@ -88,7 +90,9 @@ class UnchangedToast:
 
 UNCHANGED_TOAST: Final = UnchangedToast()
 
-TupleValue: TypeAlias = str | UnchangedToast | bytes | None
+# JsonPieces: a large text value as its JSON text, put in by large_rows.py (never
+# by the decoder here).
+TupleValue: TypeAlias = str | UnchangedToast | bytes | JsonPieces | None
 TupleData: TypeAlias = tuple[TupleValue, ...]
 
 # --- frames ---------------------------------------------------------------------------

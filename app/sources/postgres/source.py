@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from app.protocol.lexi import parse_state_version, to_lexi
 from app.protocol.messages import ChangeSourceMessage, Control, Rollback, Status
 from app.sources.base import BackfillRequest, ChangeSource, ChangeSourceError, ChangeStream
 from app.sources.postgres.connection import (
+    CHUNK_BYTES,
+    FramePieces,
     ReplicationConnection,
     ReplicationStreamEnded,
     StartReplicationError,
@@ -60,6 +63,7 @@ from app.sources.postgres.standby import StandbyAcker
 from app.sources.postgres.stats import upstream_stats
 from app.sources.postgres.values import TypeRegistry, load_type_registry
 from app.storage.errors import AbortError
+from app.timeouts import within
 
 __all__ = ["PostgresChangeSource", "PostgresChangeStream", "PostgresSourceOptions"]
 
@@ -80,15 +84,7 @@ WRITER_STOP_S: Final = 2.0
 # each), then one pgoutput message.
 _XLOG_DATA: Final = 0x77
 _XLOG_HEADER_SIZE: Final = 25
-
-
-# libpq grows a connection's input buffer to the largest message it received and
-# never shrinks it: after one 100 MB value the service would keep 128 MiB for as
-# long as the replication connection lives. A frame above this size makes the stream
-# end cleanly once the service acked the transaction that carried it; the service
-# starts the next one at once (after it, so nothing is sent twice) on a fresh
-# connection. Values this large are rare, and a reconnect costs ~0.1 s.
-RECYCLE_ABOVE_BYTES: Final = 32 << 20
+_LSN: Final = struct.Struct("!Q")  # an XLogData frame's start LSN, after its 'w'
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +102,6 @@ class PostgresSourceOptions:
     # The replicas row of the replica being served: older replicas' slots are
     # dropped when a stream starts (after a re-sync they would pin WAL).
     replica_id: str | None = None
-    # A frame larger than this ends the stream once its transaction is acked (see
-    # PostgresChangeStream); None never does.
-    recycle_above_bytes: int | None = RECYCLE_ABOVE_BYTES
 
 
 class PostgresChangeSource(ChangeSource):
@@ -158,7 +151,6 @@ class PostgresChangeSource(ChangeSource):
             url=self._url,
             wal_sender_timeout_s=wal_sender_timeout_s,
             silence_timeout_s=opts.silence_timeout_s,
-            recycle_above_bytes=opts.recycle_above_bytes,
         )
         if reset is not None:
             stream.fail_with_reset(reset, start_lsn)
@@ -180,12 +172,8 @@ class PostgresChangeStream(ChangeStream):
         url: str,
         wal_sender_timeout_s: float,
         silence_timeout_s: float | None = None,
-        recycle_above_bytes: int | None = None,
     ) -> None:
         self._replication = replication
-        self._recycle_above = recycle_above_bytes
-        # The commit watermark whose ack ends this stream (RECYCLE_ABOVE_BYTES).
-        self._recycle_after: str | None = None
         self._mapper = mapper
         self._url = url
         self._acker = StandbyAcker()
@@ -246,9 +234,7 @@ class PostgresChangeStream(ChangeStream):
             return
         last_inbound = time.monotonic()
         while not self._closed.is_set():
-            if self._recycle_due():
-                return
-            frame = await self._replication.read_frame(self._poll_s)
+            frame = await self._replication.read_frame(self._poll_s, pieces_over=CHUNK_BYTES)
             if frame is None:
                 if self._writer.done():
                     self._writer.result()  # raises the writer's failure
@@ -260,20 +246,22 @@ class PostgresChangeStream(ChangeStream):
                     )
                 continue
             last_inbound = time.monotonic()
-            if self._recycle_above is not None and len(frame) > self._recycle_above:
-                self._recycle_after = self._recycle_after or self._acker.waiting_for
             # The `del`s: nothing of a frame (one may carry a 100 MB value) stays
             # referenced from here while the next one is awaited.
-            if frame[0] == _XLOG_DATA:
-                # Row changes, the bulk of the stream, in one C call (mapper.map_row).
-                row = self._mapper.map_row(frame, _XLOG_HEADER_SIZE)
-                if row is not None:
-                    del frame
-                    yield row
-                    del row
-                    continue
-            out = await self._frame_messages(frame)
-            del frame
+            if isinstance(frame, FramePieces):
+                out = await self._large_frame_messages(frame.chunks)
+                del frame
+            else:
+                if frame[0] == _XLOG_DATA:
+                    # Row changes, the bulk of the stream, in one C call (mapper.map_row).
+                    row = self._mapper.map_row(frame, _XLOG_HEADER_SIZE)
+                    if row is not None:
+                        del frame
+                        yield row
+                        del row
+                        continue
+                out = await self._frame_messages(frame)
+                del frame
             out.reverse()
             while out:
                 yield out.pop()
@@ -293,20 +281,6 @@ class PostgresChangeStream(ChangeStream):
     def _resetting(self) -> bool:
         return self._reset is not None
 
-    def _recycle_due(self) -> bool:
-        """True once the transaction of a frame over ``recycle_above_bytes`` is acked:
-        the stream then ends, and the service starts a fresh one after it."""
-        after = self._recycle_after
-        if after is None or not self._acker.acked_through(after):
-            return False
-        log.info(
-            "reconnecting the replication stream after a message over %d MiB (acked "
-            "through %s): libpq keeps its input buffer at the largest message's size",
-            (self._recycle_above or 0) >> 20,
-            after,
-        )
-        return True
-
     def _on_keepalive(self, k: PrimaryKeepalive) -> Status | None:
         if k.reply_requested:
             # Forwarded: the service echoes it once everything before it is stored.
@@ -314,6 +288,22 @@ class PostgresChangeStream(ChangeStream):
         self._acker.on_idle_keepalive(k.wal_end)
         self._send_wakeup.set()
         return None
+
+    async def _large_frame_messages(self, chunks: Sequence[bytes]) -> list[ChangeSourceMessage]:
+        """The messages of a frame too large to join (decision 46): a row change is
+        decoded from its chunks (``ChangeMapper.map_large_row``); any other message
+        (a huge DDL message, say) is joined and goes the usual way."""
+        if chunks[0][0] == _XLOG_DATA and len(chunks[0]) >= _XLOG_HEADER_SIZE:
+            try:
+                rows = await self._mapper.map_large_row(chunks, _XLOG_HEADER_SIZE)
+            except MappingError as e:
+                (wal_start,) = _LSN.unpack_from(chunks[0], 1)
+                self._reset = _reset_messages(str(e), wal_start, e.details)
+                log.error("unable to continue replication from %s: %s", format_lsn(wal_start), e)
+                return self._reset
+            if rows is not None:
+                return rows
+        return await self._frame_messages(memoryview(b"".join(chunks)))
 
     async def _map(self, x: XLogData) -> list[ChangeSourceMessage]:
         try:
@@ -351,7 +341,7 @@ class PostgresChangeStream(ChangeStream):
             if self._keepalive_s is not None:
                 timeout = max(0.0, last_sent + self._keepalive_s - time.monotonic())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._send_wakeup.wait(), timeout)
+                await within(self._send_wakeup.wait(), timeout)
             self._send_wakeup.clear()
             if self._closed.is_set():
                 return
