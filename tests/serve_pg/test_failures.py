@@ -225,18 +225,22 @@ async def _other_walsender(upstream: str, old_pid: int) -> bool:
 
 
 async def drop_active_slot(upstream: str, slot: str, attempts: int = 200) -> None:
-    """Ends the walsender and drops the slot, racing the service's reconnects."""
-    async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as conn:
-        for _ in range(attempts):
-            await conn.execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
-                "WHERE slot_name = %s AND active_pid IS NOT NULL",
-                (slot,),
-            )
+    """Ends the walsender and drops the slot, racing the service's reconnects.
+
+    pg_drop_replication_slot holds the slot while it drops it, so the service's
+    takeover of the slot (which ends whatever backend holds it) may end ours:
+    then reconnect and try again."""
+    for _ in range(attempts):
+        async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as conn:
             try:
+                await conn.execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                    "WHERE slot_name = %s AND active_pid IS NOT NULL",
+                    (slot,),
+                )
                 await conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
                 return
-            except psycopg.errors.ObjectInUse:
+            except (psycopg.errors.ObjectInUse, psycopg.errors.AdminShutdown):
                 await asyncio.sleep(0.01)
     raise AssertionError(f"could not drop slot {slot} in {attempts} attempts")
 
