@@ -12,8 +12,9 @@ separate transactions written back to back, and reports:
 * the service's worst event-loop lag meanwhile (``/statz`` ``eventLoopLagMs``: how
   late it ran what was due — the stall every subscriber's ping sees);
 * the summed RSS of the service's processes (serve, the replica follower, the
-  SQLite writer) before, at the peak (sampled every 100 ms) and 3 s after, with the
-  service's own process apart.
+  SQLite writer) before, at the peak (sampled every 100 ms), 3 s after and
+  settled (once serve's periodic ``malloc_trim`` has run), with the service's own
+  process apart.
 
 Loopback only; the service is stopped by its PID.
 """
@@ -33,6 +34,7 @@ from pathlib import Path
 import psycopg
 from websockets.asyncio.client import ClientConnection, connect
 
+from app.runtime.memory import TRIM_INTERVAL_S
 from bench.pg_e2e import PG, admin, drop_slots, process_tree, rss_kib
 from bench.serve import running_serve
 
@@ -51,6 +53,10 @@ class Point:
     rss_after_mib: int
     serve_before_mib: int
     serve_after_mib: int
+    # Once serve's periodic malloc_trim has run since (pieces are heap blocks of at
+    # most 1 MiB: glibc returns them to the OS at the trim, not at the free).
+    rss_settled_mib: int
+    serve_settled_mib: int
 
 
 def tree_rss_mib(pid: int) -> int:
@@ -110,6 +116,8 @@ async def measure(
                     for _ in range(30):
                         await asyncio.sleep(0.1)
                         peak = max(peak, tree_rss_mib(proc.pid))
+                    after, serve_after = tree_rss_mib(proc.pid), rss_kib(proc.pid) // 1024
+                    await asyncio.sleep(TRIM_INTERVAL_S + 1 - 3)
                     points.append(
                         Point(
                             size,
@@ -118,8 +126,10 @@ async def measure(
                             lag,
                             before,
                             peak,
-                            tree_rss_mib(proc.pid),
+                            after,
                             serve_before,
+                            serve_after,
+                            tree_rss_mib(proc.pid),
                             rss_kib(proc.pid) // 1024,
                         )
                     )
@@ -131,15 +141,15 @@ async def measure(
 
 def report(points: list[Point]) -> str:
     lines = [
-        "| values | delivered in (s) | worst loop lag (ms) | RSS before / peak / after (MiB) "
-        "| serve's own before / after (MiB) |",
+        "| values | delivered in (s) | worst loop lag (ms) | RSS before / peak / after "
+        "/ settled (MiB) | serve's own before / after / settled (MiB) |",
         "|---|---:|---:|---:|---:|",
     ]
     for p in points:
         lines.append(
             f"| {p.repeat} x {p.size_mb} MB | {p.seconds:.2f} | {p.loop_lag_ms:.0f} "
-            f"| {p.rss_before_mib} / {p.rss_peak_mib} / {p.rss_after_mib} "
-            f"| {p.serve_before_mib} / {p.serve_after_mib} |"
+            f"| {p.rss_before_mib} / {p.rss_peak_mib} / {p.rss_after_mib} / {p.rss_settled_mib} "
+            f"| {p.serve_before_mib} / {p.serve_after_mib} / {p.serve_settled_mib} |"
         )
     return "\n".join(lines)
 

@@ -421,6 +421,9 @@ class Storer:
                     else:  # _STOP
                         stopping = True
                         break
+                # Not held while the next group is awaited: a transaction's rows
+                # may carry a 100 MB value (_take_group gives at least one item).
+                del items, item
                 if not chunked_open:
                     await flush_completed()
         finally:
