@@ -602,9 +602,11 @@ async def _replication_stats(service: ChangeStreamerService | None) -> dict[str,
         "transactions": s.transactions,
         "changes": s.changes,
         "storerQueuedBytes": s.storer.queued_bytes,
-        # How late the event loop ran what was due: now, and the worst of the last 60 s.
+        # How late the event loop ran what was due: now, and the worst of the last
+        # 10 s and 60 s.
         "eventLoopLagMs": {
             "latest": round(s.loop_lag.latest_s * 1000, 1),
+            "max10s": round(s.loop_lag.max_s(10.0) * 1000, 1),
             "max60s": round(s.loop_lag.max_s() * 1000, 1),
         },
         "subscribers": {"active": len(forwarder.active), "queued": len(forwarder.queued)},

@@ -38,9 +38,12 @@ class LoopLag:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def max_s(self) -> float:
-        """The largest lag of the last ``WINDOW_S``."""
-        return max((lag for _, lag in self._samples), default=0.0)
+    def max_s(self, within_s: float = WINDOW_S) -> float:
+        """The largest lag of the last ``within_s`` (at most ``WINDOW_S``)."""
+        if not self._samples:
+            return 0.0
+        since = self._samples[-1][0] - within_s  # samples come every INTERVAL_S
+        return max(lag for at, lag in self._samples if at >= since)
 
     def record(self, now: float, lag: float) -> None:
         self.latest_s = lag

@@ -121,3 +121,8 @@ def test_a_large_data_message_is_stored_and_rebuilt_by_its_ends() -> None:
         reconstruct("0a", "commit", stored)
     with pytest.raises(ValueError, match="leading 'tag'"):
         change_tag(Pieces(['{"new":1,', '"tag":"insert"}']))
+
+
+def test_a_lone_surrogate_in_a_piece_is_escaped_as_js_does() -> None:
+    assert json_string_piece("a\ud800b") == "a\\ud800b"
+    assert '"' + json_string_piece("é\x1f\u2028") + '"' == dumps("é\x1f\u2028")

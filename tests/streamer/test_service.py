@@ -711,6 +711,7 @@ async def test_the_loop_lag_monitor_keeps_the_worst_of_its_window() -> None:
     lag.record(101.0, 0.300)
     lag.record(102.0, 0.001)
     assert (lag.latest_s, lag.max_s()) == (0.001, 0.300)
+    assert lag.max_s(0.5) == 0.001  # only the newest sample is that recent
     lag.record(101.0 + loop_lag.WINDOW_S + 0.5, 0.004)  # the 300 ms sample ages out
     assert lag.max_s() == 0.004
     # Running, it measures a real stall of the loop.
