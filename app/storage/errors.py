@@ -24,6 +24,14 @@ class AbortError(StorageError):
     """Stop the service; retrying cannot help."""
 
 
+class ChangeTooLargeError(AbortError):
+    """A change is larger than the change DB stores in one value (SQLite: 10^9
+    bytes, its compiled-in maximum; Postgres: a COPY line of 1 GiB). Retrying
+    would read it again from the upstream and fail again, so the service stops
+    with this message instead. (A zero-cache replica, SQLite too, could not hold
+    such a value either.)"""
+
+
 class OwnershipLostError(AbortError):
     """Another change-streamer has assumed ownership of the change log."""
 

@@ -39,7 +39,7 @@ import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from operator import itemgetter
-from typing import Any, TypeVar, cast
+from typing import Any, Final, TypeVar, cast
 
 import psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -47,7 +47,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.protocol.pieces import PIECE_CHARS, Pieces, Text, decode_pieces
 from app.storage import sqlite_group
 from app.storage.engine import ChangeDb
-from app.storage.errors import DuplicateChangeError, StorageError
+from app.storage.errors import ChangeTooLargeError, DuplicateChangeError, StorageError
 from app.storage.sqlite_group import CREATE_STAGE, STAGE_TABLE, UNSTAGE, SqliteStatements
 
 Row = tuple[str, int, Text, str | None]
@@ -148,6 +148,8 @@ class FastPath:
                 await _in_driver_thread(driver, self._insert_sqlite, rows)
         except (sqlite3.IntegrityError, psycopg.errors.UniqueViolation) as e:
             raise _duplicate(e) from e
+        except sqlite_group.ChangeTooLarge as e:
+            raise ChangeTooLargeError(str(e)) from None
 
     async def commit_rows_sqlite(
         self, conn: AsyncConnection, owner: str, rows: Sequence[Row], last_watermark: str
@@ -164,6 +166,8 @@ class FastPath:
             )
         except sqlite3.IntegrityError as e:
             raise _duplicate(e) from e
+        except sqlite_group.ChangeTooLarge as e:
+            raise ChangeTooLargeError(str(e)) from None
         return current
 
     def _commit_rows_sqlite(
@@ -301,14 +305,34 @@ def copy_escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
+# Postgres' largest allocation (MaxAllocSize, 1 GiB - 1): a COPY line, and so a
+# stored change, must fit in it.
+_PG_MAX_LINE: Final = (1 << 30) - 1
+
+
 async def _copy_text_row(copy: Any, row: Row, text: Pieces, encoding: str) -> None:
     """One row of COPY's text format whose change is written a piece per call,
     the event loop running between pieces. (Rows that ``write_row`` buffers go
     out whole, before or after this one: the stream stays a sequence of rows.)"""
     watermark, pos, _, precommit = row
+
+    def too_large(size: int) -> ChangeTooLargeError:
+        return ChangeTooLargeError(
+            f"the change at watermark {watermark}, position {pos} is over {size:,} bytes, "
+            f"more than Postgres takes in one COPY line ({_PG_MAX_LINE:,})"
+        )
+
+    if text.utf8_length() > _PG_MAX_LINE:  # before any of it is sent
+        raise too_large(text.utf8_length())
+    line = 0
     await copy.write(f"{copy_escape(watermark)}\t{pos}\t".encode(encoding))
     for part in text.parts:
-        await copy.write(copy_escape(part).encode(encoding))
+        data = copy_escape(part).encode(encoding)
+        line += len(data)
+        if line > _PG_MAX_LINE:  # escapes made it longer: COPY is aborted
+            raise too_large(line)
+        await copy.write(data)
+        del data
         await asyncio.sleep(0)
     end = "\\N" if precommit is None else copy_escape(precommit)
     await copy.write(f"\t{end}\n".encode(encoding))

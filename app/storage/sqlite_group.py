@@ -221,13 +221,25 @@ def insert_rows(
         start = end
 
 
+class ChangeTooLarge(sqlite3.DataError):
+    """A change over SQLite's maximum length (``ChangeTooLargeError`` in the
+    service; this module is the writer process's program and imports no app code)."""
+
+
 def _insert_text(sq: sqlite3.Connection, statements: SqliteStatements, row: TextRow) -> None:
     """One row whose change is in pieces: each piece's UTF-8 into a staged blob,
     then one copy of the whole inside SQLite (no GIL held), then the blob goes.
     Only small values are bound, so no statement keeps the text (decision 44)."""
     watermark, pos, text, precommit = row
+    size = text.utf8_length()
+    limit = sq.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
+    if size > limit:
+        raise ChangeTooLarge(
+            f"the change at watermark {watermark}, position {pos} is {size:,} bytes, "
+            f"more than SQLite stores in one value ({limit:,})"
+        )
     sq.execute(CREATE_STAGE)
-    rowid = sq.execute(_STAGE_ZEROS, (text.utf8_length(),)).lastrowid
+    rowid = sq.execute(_STAGE_ZEROS, (size,)).lastrowid
     assert rowid is not None
     with sq.blobopen(STAGE_TABLE, "utf8", rowid, name="temp") as blob:
         for chunk in text.utf8():

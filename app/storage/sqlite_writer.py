@@ -41,7 +41,7 @@ from typing import Final
 
 from app.protocol.pieces import Pieces, Text
 from app.storage import sqlite_group
-from app.storage.errors import DuplicateChangeError, StorageError
+from app.storage.errors import ChangeTooLargeError, DuplicateChangeError, StorageError
 from app.storage.sqlite_group import FRAME_HEADER, SqliteStatements, encode_frame
 from app.timeouts import within
 
@@ -269,6 +269,8 @@ def _result(reply: object) -> str | None:
             return owner
         case ("error", "IntegrityError", str(message)):
             raise DuplicateChangeError.from_driver(message)
+        case ("error", "ChangeTooLarge", str(message)):
+            raise ChangeTooLargeError(message)
         case ("error", str(name), str(message)):
             error = getattr(sqlite3, name, None)
             if isinstance(error, type) and issubclass(error, sqlite3.Error):

@@ -11,6 +11,7 @@ they always were: one ``str`` per change.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import tracemalloc
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -21,8 +22,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.protocol.pieces import LARGE_TEXT_CHARS, PIECE_CHARS, Pieces, Text, text_pieces
-from app.storage import ChangeDb, ChangeLog, Replication, StoredRow, SubscriptionState
+from app.storage import (
+    ChangeDb,
+    ChangeLog,
+    Replication,
+    StoredRow,
+    SubscriptionState,
+    fastpath,
+    sqlite_group,
+)
+from app.storage.errors import AbortError, ChangeTooLargeError
 from app.storage.fastpath import copy_escape
+from app.storage.sqlite_group import SqliteStatements
+from app.storage.sqlite_writer import _result
 
 OWNER = "task-a"
 MB = 1 << 20
@@ -261,3 +273,44 @@ def test_copy_escaping_piece_by_piece_is_escaping_the_whole(text: str, sizes: li
     parts.append(text[at:])
     assert "".join(map(copy_escape, parts)) == copy_escape(text)
     assert not {"\t", "\n", "\r"} & set(copy_escape(text))
+
+
+def test_sqlite_refuses_a_change_over_its_length_limit_by_name() -> None:
+    """What the writer process and aiosqlite's thread run: a change SQLite cannot
+    hold is refused before anything of it is staged (SQLite's compiled-in maximum
+    is 10^9 bytes; lowered here so the test stays small)."""
+    sq = sqlite_group.connect(":memory:", "OFF", 1000)
+    statements = SqliteStatements.for_tables('"changeLog"', '"replicationState"')
+    sq.execute(
+        'CREATE TABLE "changeLog" (watermark TEXT, pos INT, change TEXT, precommit TEXT,'
+        " PRIMARY KEY (watermark, pos)) WITHOUT ROWID"
+    )
+    sq.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 4096)
+    plain, texts = sqlite_group.split_texts([("02", 1, cut("é" * 3000), None)])
+    with pytest.raises(sqlite_group.ChangeTooLarge, match=r"02, position 1 is 6,000 bytes.*4,096"):
+        sqlite_group.insert_rows(sq, statements, plain, texts)
+    assert sq.execute('SELECT count(*) FROM "changeLog"').fetchone() == (0,)
+
+
+def test_the_writer_process_reply_for_it_stops_the_service() -> None:
+    with pytest.raises(ChangeTooLargeError, match="more than SQLite") as e:
+        _result(("error", "ChangeTooLarge", "the change ... more than SQLite stores"))
+    assert isinstance(e.value, AbortError)  # the service stops instead of retrying
+
+
+async def test_postgres_refuses_a_change_over_a_copy_line_by_name(
+    db: ChangeDb, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if db.dialect != "postgresql":
+        pytest.skip("the COPY line limit is Postgres'")
+    log = await owned_log(db)
+    monkeypatch.setattr(fastpath, "_PG_MAX_LINE", 5000)
+    for text in ("x" * 6000, "\n" * 3000):  # too long as it is; too long once escaped
+        with pytest.raises(ChangeTooLargeError, match="more than Postgres takes"):
+            await by_append(log, tx("02", cut(text)), "02")
+    assert await read_all(log) == []
+
+
+def cut(text: str, size: int = 1000) -> Pieces:
+    """A small text as Pieces (``pieces`` cuts only large ones)."""
+    return Pieces(text[i : i + size] for i in range(0, len(text), size))
