@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import os
 import sys
 import tempfile
 import time
@@ -56,10 +55,8 @@ from app.storage import (
     parse_change_db_url,
 )
 from app.storage.engine import SqliteWriter
+from bench.storage import DEFAULT_PG_URL
 
-DEFAULT_PG_URL = os.environ.get(
-    "CHANGESTREAMER_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/changestreamer_test"
-)
 OWNER = "bench"
 BACKENDS = ("sqlite-process", "sqlite-thread", "postgres")
 SWITCH_INTERVAL_S = 0.0005  # serve's (app/streamer/service.py)

@@ -218,8 +218,8 @@ async def test_a_parent_gone_mid_commit_ends_the_process_quietly(log: ChangeLog)
     assert "Traceback" not in stderr
 
 
-def hang_up_mid_commit(args: list[str]) -> tuple[int, str]:
-    """Starts the writer program, sends one commit and closes our end at once."""
+def started_writer(args: list[str]) -> tuple[socket.socket, subprocess.Popen[str]]:
+    """The writer program on a socket pair, once it said it is ready: our end, it."""
     ours, theirs = socket.socketpair()
     proc = subprocess.Popen(
         [sys.executable, "-I", sqlite_writer._PROGRAM, str(theirs.fileno()), *args],
@@ -230,6 +230,12 @@ def hang_up_mid_commit(args: list[str]) -> tuple[int, str]:
     )
     theirs.close()
     assert sqlite_group.read_frame(ours) == ("ready",)
+    return ours, proc
+
+
+def hang_up_mid_commit(args: list[str]) -> tuple[int, str]:
+    """Starts the writer program, sends one commit and closes our end at once."""
+    ours, proc = started_writer(args)
     rows = [tuple(r) for r in tx("02", 2000)]
     sqlite_group.write_frame(ours, ("commit_rows", OWNER, rows, "02"))
     ours.shutdown(socket.SHUT_RDWR)
@@ -303,16 +309,7 @@ async def test_a_parent_gone_while_sending_pieces_ends_the_process_quietly(
 def hang_up_mid_pieces(args: list[str]) -> tuple[int, str]:
     """Starts the writer program, sends a commit whose text is announced in three
     pieces, sends one and closes our end."""
-    ours, theirs = socket.socketpair()
-    proc = subprocess.Popen(
-        [sys.executable, "-I", sqlite_writer._PROGRAM, str(theirs.fileno()), *args],
-        pass_fds=(theirs.fileno(),),
-        stdin=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    theirs.close()
-    assert sqlite_group.read_frame(ours) == ("ready",)
+    ours, proc = started_writer(args)
     rows = [("02", 0, '{"tag":"begin"}', None), ("02", 2, '{"tag":"commit"}', "02")]
     sqlite_group.write_frame(ours, ("commit_rows", OWNER, rows, "02", [("02", 1, None, 3)]))
     sqlite_group.write_frame(ours, '{"tag":"insert",')
