@@ -45,17 +45,13 @@ from app.runtime.memory import return_large_frees
 from app.storage import (
     ChangeDb,
     ChangeDbOptions,
-    ChangeLog,
-    Replication,
     Shard,
     StoredRow,
-    SubscriptionState,
     create_change_db,
-    migrate,
     parse_change_db_url,
 )
 from app.storage.engine import SqliteWriter
-from bench.storage import DEFAULT_PG_URL
+from bench.storage import DEFAULT_PG_URL, owned_log
 
 OWNER = "bench"
 BACKENDS = ("sqlite-process", "sqlite-thread", "postgres")
@@ -145,11 +141,7 @@ async def run_backend(
     results: list[Result] = []
     meter = StallMeter()
     try:
-        await migrate(db)
-        replication = Replication(db)
-        await replication.ensure_config(SubscriptionState("01", (), "01"), auto_reset=False)
-        await replication.assume_ownership(OWNER, None)
-        log = ChangeLog(db)
+        log = await owned_log(db)
         await log.start_writer()
         forms: list[tuple[str, str, Text, int | None]] = [
             ("Pieces", "02", pieces, LARGE_TEXT_CHARS)

@@ -38,6 +38,7 @@ from sqlalchemy import text
 
 from app.protocol.lexi import to_lexi
 from app.storage import (
+    ChangeDb,
     ChangeDbOptions,
     ChangeLog,
     ChangeRow,
@@ -53,6 +54,16 @@ DEFAULT_PG_URL = os.environ.get(
     "CHANGESTREAMER_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/changestreamer_test"
 )
 OWNER = "bench"
+
+
+async def owned_log(db: ChangeDb) -> ChangeLog:
+    """The migrated change log of ``db``, owned by the bench at replica version 01."""
+    await migrate(db)
+    replication = Replication(db)
+    await replication.ensure_config(SubscriptionState("01", (), "01"), auto_reset=False)
+    await replication.assume_ownership(OWNER, None)
+    return ChangeLog(db)
+
 
 # A ~220-byte insert, the size of a typical small row change.
 INSERT = (
@@ -112,11 +123,7 @@ async def run_one(
     opts = ChangeDbOptions(sqlite_synchronous=sync)  # type: ignore[arg-type]
     db = create_change_db(parse_change_db_url(url), shard, opts)
     try:
-        await migrate(db)
-        replication = Replication(db)
-        await replication.ensure_config(SubscriptionState("01", (), "01"), auto_reset=False)
-        await replication.assume_ownership(OWNER, None)
-        log = ChangeLog(db)
+        log = await owned_log(db)
 
         # Built before the clock starts: the storer hands the log ready rows.
         upstream = list(transactions(changes, tx_size))

@@ -92,15 +92,21 @@ async def test_commits_run_in_one_process_that_close_ends(log: ChangeLog) -> Non
     await wait_gone(pid)
 
 
-async def test_a_killed_writer_loses_nothing_and_the_next_commit_restarts_it(
-    log: ChangeLog,
-) -> None:
+async def committed_then_writer_killed(log: ChangeLog) -> int:
+    """Transaction 02 stored, then the writer process SIGKILLed and gone: its pid."""
     await log.commit_rows(OWNER, tx("02", 2), "02")
-    w = writer(log)
-    pid = w.pid
+    pid = writer(log).pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     await wait_gone(pid)
+    return pid
+
+
+async def test_a_killed_writer_loses_nothing_and_the_next_commit_restarts_it(
+    log: ChangeLog,
+) -> None:
+    pid = await committed_then_writer_killed(log)
+    w = writer(log)
     # The first commit after the kill either finds the process gone (and starts a
     # new one) or meets its closed socket and fails, storing nothing; a retry,
     # as the service makes, succeeds. Either way 03 is stored once.
@@ -322,12 +328,8 @@ def hang_up_mid_pieces(args: list[str]) -> tuple[int, str]:
 async def test_a_killed_writer_is_a_storage_error_for_a_commit_in_pieces_too(
     log: ChangeLog,
 ) -> None:
-    await log.commit_rows(OWNER, tx("02", 2), "02")
+    await committed_then_writer_killed(log)
     w = writer(log)
-    pid = w.pid
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    await wait_gone(pid)
     text = '{"tag":"insert","new":{"v":"' + "x" * (4 * PIECE_CHARS) + '"}}'
     rows: list[StoredRow] = [
         ("03", 0, '{"tag":"begin"}', None),
