@@ -5,27 +5,20 @@ subscriber gets ONE begin…commit with the schema changes and the row changes i
 statement order, and that the replica (``PRAGMA table_info`` / ``index_list``, rows,
 ``_zero.tableMetadata``) follows.
 
-DDL that needs a backfill is not supported by our source: the transaction is rolled
-back, ``reset-required`` is recorded in the change DB, and with auto-reset off the
-service keeps running without applying anything of it.
+DDL that needs a backfill (a table added to a publication, a volatile default) is
+streamed with backfills: tests/e2e_pg/test_backfill.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-import pytest
-
 from app.protocol.canonical_json import loads
-from app.storage import Replication
 from tests.e2e_pg.conftest import (
-    WAIT_S,
     StartUpstream,
     Upstream,
     commit_watermark,
     data,
-    reset_required,
 )
 
 PUBLIC = "public"
@@ -332,55 +325,3 @@ async def test_replica_identity_change_updates_the_table_metadata(
         "foo_code": (True, [("code", False)]),
     }
     assert await env.replica_rows("foo") == [{"id": 1, "code": "one", "v": "b"}]
-
-
-BACKFILL_DDL = {
-    "computed-default": [
-        "INSERT INTO foo VALUES (2)",
-        "ALTER TABLE foo ADD COLUMN at timestamptz DEFAULT now()",
-        "INSERT INTO foo VALUES (3)",
-    ],
-    "publication-add": [
-        "INSERT INTO foo VALUES (2)",
-        "CREATE SCHEMA other",
-        "CREATE TABLE other.t (id int PRIMARY KEY)",
-        "ALTER PUBLICATION _hpe_public_0 ADD TABLES IN SCHEMA other",
-        "INSERT INTO foo VALUES (3)",
-    ],
-}
-
-
-@pytest.mark.parametrize("statements", BACKFILL_DDL.values(), ids=BACKFILL_DDL.keys())
-async def test_ddl_needing_a_backfill_rolls_back_and_requires_a_reset(
-    upstream: StartUpstream, statements: list[str]
-) -> None:
-    env = await upstream(
-        ["CREATE TABLE foo (id int PRIMARY KEY)", "INSERT INTO foo VALUES (1)"],
-        ZERO_AUTO_RESET=False,
-    )
-    assert not await reset_required(env)
-    await env.execute(*statements)
-    tx = await env.next_transaction()
-    # What was forwarded before the unsupported change, then the source's rollback.
-    assert [m[0] for m in tx] == ["begin", "data", "rollback"]
-    assert tx[1][1]["tag"] == "insert"
-    assert tx[1][1]["new"] == {"id": 2}
-    assert tx[-1] == ["rollback", {"tag": "rollback"}]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S
-    while not await reset_required(env):
-        assert loop.time() < deadline, "resetRequired was never recorded"
-        await asyncio.sleep(0.05)
-    # Auto-reset is off: the service logs and keeps running.
-    service = env.runtime.service
-    assert not service.stopped.is_set()
-    assert service.stop_error is None
-    # Nothing of the transaction reached the replica or the change log.
-    assert env.replica_watermark() == env.replica_version
-    assert columns(env, "foo") == {"id": ("int4|NOT_NULL", None)}
-    assert tables(env) == ["foo"]
-    assert await env.replica_rows("foo") == [{"id": 1}]
-    state = await Replication(env.db).state()
-    assert state is not None
-    assert state.last_watermark == env.replica_version
-    assert env.nothing_pending()

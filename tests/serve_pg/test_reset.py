@@ -1,8 +1,11 @@
 """Reset-required from the stream, with and without auto-reset.
 
-``ALTER TABLE … ADD COLUMN c timestamptz DEFAULT now()`` gives existing rows a value
-only Postgres knows (a volatile default needs a backfill, which our source does not
-do), so the stream ends with ``reset-required``.
+A schema change the source cannot follow ends the stream with ``reset-required``.
+The one used here is a DDL event of a trigger version this source does not know (as
+a newer zero-cache's triggers would send), in the same transaction as
+``ALTER TABLE … ADD COLUMN c timestamptz DEFAULT now()`` (which alone would be
+backfilled: tests/e2e_pg/test_backfill.py), so the column only reaches the replica
+through the re-sync.
 
 * With ``ZERO_AUTO_RESET=true`` the same ``serve`` process re-syncs: a new replica
   file with a new replicaVersion, the change DB re-tied to it, ready again, and the
@@ -32,6 +35,10 @@ from tests.serve_pg.conftest import (
 )
 
 ADD_VOLATILE_COLUMN = "ALTER TABLE items ADD COLUMN c timestamptz DEFAULT now()"
+UNKNOWN_DDL_EVENT = (
+    'SELECT pg_logical_emit_message(true, \'hpf/0/ddl\', \'{"type":"ddlUpdate","version":99}\')'
+)
+RESET_TX = ("BEGIN", ADD_VOLATILE_COLUMN, UNKNOWN_DDL_EVENT, "COMMIT")  # one transaction
 
 
 def current_replica_version(serve: Serve) -> str | None:
@@ -64,7 +71,7 @@ async def test_reset_required_with_auto_reset_resyncs_in_the_same_process(
     old_version, _ = replica_versions(serve.replica_file)
     assert proc_pid(serve) is not None
 
-    await pg_execute(upstream, ADD_VOLATILE_COLUMN)
+    await pg_execute(upstream, *RESET_TX)
     await serve.wait_output(r"upstream requires a reset")
     await serve.wait_output(r"auto-reset: re-syncing the replica")
     new_version = await eventually(
@@ -106,7 +113,7 @@ async def test_reset_required_without_auto_reset_refuses_the_next_start(
     serve = await start_ready(upstream, serve_factory, ZERO_AUTO_RESET="false")
     version, _ = replica_versions(serve.replica_file)
 
-    await pg_execute(upstream, ADD_VOLATILE_COLUMN)
+    await pg_execute(upstream, *RESET_TX)
     await serve.wait_output(r"upstream requires a reset")
     await eventually(
         lambda: (
@@ -134,7 +141,7 @@ async def test_auto_reset_drops_the_old_replicas_slot(
     old_version, _ = replica_versions(serve.replica_file)
     [(old_slot, _, _)] = await app_slots(upstream)
 
-    await pg_execute(upstream, ADD_VOLATILE_COLUMN)
+    await pg_execute(upstream, *RESET_TX)
     await eventually(
         lambda: (v := current_replica_version(serve)) is not None and v != old_version,
         "a replica with a new replicaVersion",

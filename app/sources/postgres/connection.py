@@ -414,6 +414,7 @@ class ReplicationConnection:
         self._backend_pid = backend_pid
         self._closed = False
         self._ended: ReplicationStreamEnded | None = None
+        self._interrupted = False
 
     @classmethod
     async def connect(cls, conninfo: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> Self:
@@ -493,6 +494,16 @@ class ReplicationConnection:
     def closed(self) -> bool:
         return self._closed
 
+    def has_frame(self) -> bool:
+        """Whether a complete message is waiting to be read (the upstream is ahead of us)."""
+        return bool(self._wire.messages.queued_bytes) or self._wire.lost is not None
+
+    def interrupt(self) -> None:
+        """Makes a ``read_frame`` waiting for data return None now, so its caller can
+        do other work (interleave a backfill) without waiting out its timeout."""
+        self._interrupted = True
+        self._wire.wake()
+
     @overload
     async def read_frame(self, timeout_s: float) -> memoryview | None: ...
 
@@ -532,6 +543,9 @@ class ReplicationConnection:
                 return None
             await wire.wait(remaining)
             if self.closed:  # close() woke us (an attribute read here, after the await)
+                return None
+            if self._interrupted:
+                self._interrupted = False
                 return None
 
     async def send_frame(self, frame: bytes, *, timeout_s: float = SEND_TIMEOUT_S) -> None:

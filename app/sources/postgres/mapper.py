@@ -328,17 +328,8 @@ class ChangeMapper:
             if context is not None:
                 details["context"] = context
             raise MappingError(str(e), details) from e
-        out: list[ChangeSourceMessage] = []
-        for change in changes:
-            if change.get("backfill") is not None:
-                # Filling columns after the fact (backfill streams) is not built; a
-                # re-sync gives the replica the data instead of silently missing it.
-                raise MappingError(
-                    f"{change['tag']} needs a backfill, which this source does not support",
-                    {"reason": "backfill not supported", "context": event.get("context")},
-                )
-            out.append(Data(change, change["tag"]))
-        return out
+        # Changes with a ``backfill`` field are filled in by backfill streams (backfills.py).
+        return [Data(change, change["tag"]) for change in changes]
 
 
 def _row(rel: _Rel, values: TupleData, fallback: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -40,6 +40,8 @@ import psycopg
 from app.protocol.lexi import parse_state_version, to_lexi
 from app.protocol.messages import ChangeSourceMessage, Control, Rollback, Status
 from app.sources.base import BackfillRequest, ChangeSource, ChangeSourceError, ChangeStream
+from app.sources.postgres.backfill_stream import BackfillNames, stream_backfill
+from app.sources.postgres.backfills import BackfillManager
 from app.sources.postgres.connection import (
     CHUNK_BYTES,
     FramePieces,
@@ -49,6 +51,7 @@ from app.sources.postgres.connection import (
 )
 from app.sources.postgres.mapper import ChangeMapper, MappingError, ShardId
 from app.sources.postgres.pgoutput import (
+    LogicalMessage,
     PrimaryKeepalive,
     Relation,
     XLogData,
@@ -58,7 +61,7 @@ from app.sources.postgres.pgoutput import (
     standby_status_update,
 )
 from app.sources.postgres.shard import ShardConfig
-from app.sources.postgres.slots import drop_old_replicas_and_slots
+from app.sources.postgres.slots import drop_old_replicas_and_slots, slot_name_prefix
 from app.sources.postgres.standby import StandbyAcker
 from app.sources.postgres.stats import upstream_stats
 from app.sources.postgres.values import TypeRegistry, load_type_registry
@@ -119,12 +122,6 @@ class PostgresChangeSource(ChangeSource):
     async def start_stream(
         self, after_watermark: str, backfill_requests: list[BackfillRequest]
     ) -> ChangeStream:
-        if backfill_requests:
-            # We never create backfills (schema changes that would need one end in
-            # reset-required), so a request here comes from someone else's change DB.
-            raise ChangeSourceError(
-                f"backfill requests are not supported by this source: {backfill_requests!r}"
-            )
         opts = self._options
         async with await psycopg.AsyncConnection.connect(self._url, autocommit=True) as conn:
             registry = self._registry = await load_type_registry(conn)
@@ -145,15 +142,27 @@ class PostgresChangeSource(ChangeSource):
             ddl_detection=opts.ddl_detection,
             initial_schema=opts.initial_schema,
         )
+        shard = ShardConfig(opts.app_id, opts.shard_num)
+        names = BackfillNames(slot_name_prefix(shard), f"{opts.app_id}/{opts.shard_num}/backfill")
+        backfills = BackfillManager(
+            lambda request: stream_backfill(
+                self._url, names, opts.publications, request, mapper.registry
+            ),
+            wake=replication.interrupt,
+        )
         stream = PostgresChangeStream(
             replication,
             mapper,
             url=self._url,
             wal_sender_timeout_s=wal_sender_timeout_s,
             silence_timeout_s=opts.silence_timeout_s,
+            backfills=backfills,
+            after_watermark=after_watermark,
         )
         if reset is not None:
             stream.fail_with_reset(reset, start_lsn)
+        else:
+            backfills.start(after_watermark, backfill_requests)
         log.info(
             "replicating slot %s from %s (after %s)",
             opts.slot,
@@ -172,9 +181,16 @@ class PostgresChangeStream(ChangeStream):
         url: str,
         wal_sender_timeout_s: float,
         silence_timeout_s: float | None = None,
+        backfills: BackfillManager | None = None,
+        after_watermark: str = "00",
     ) -> None:
         self._replication = replication
         self._mapper = mapper
+        self._backfills = backfills
+        # Backfill transactions go between upstream ones, versioned after the last
+        # commit streamed (see backfills.py).
+        self._in_tx = False
+        self._last_commit = after_watermark
         self._url = url
         self._acker = StandbyAcker()
         self._closed = asyncio.Event()
@@ -205,6 +221,8 @@ class PostgresChangeStream(ChangeStream):
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._backfills is not None:
+            await self._backfills.close()
         # The writer ends on its own once woken: cancelling it alone is not enough
         # on Python 3.11, whose wait_for() swallows a cancel that arrives while the
         # event it waits on has just been set (an ack right before close() did
@@ -233,7 +251,16 @@ class PostgresChangeStream(ChangeStream):
             await self._closed.wait()
             return
         last_inbound = time.monotonic()
+        backfills = self._backfills
         while not self._closed.is_set():
+            if backfills is not None and not self._in_tx:
+                out = backfills.transaction(self._last_commit, self._replication.has_frame())
+                if out:
+                    self._last_commit = out[-1].watermark  # type: ignore[union-attr]
+                    for m in out:
+                        yield m
+                    del out
+                    continue
             frame = await self._replication.read_frame(self._poll_s, pieces_over=CHUNK_BYTES)
             if frame is None:
                 if self._writer.done():
@@ -257,6 +284,8 @@ class PostgresChangeStream(ChangeStream):
                     row = self._mapper.map_row(frame, _XLOG_HEADER_SIZE)
                     if row is not None:
                         del frame
+                        if backfills is not None and backfills.running_table is not None:
+                            backfills.observe(row)  # a key change can void its batches
                         yield row
                         del row
                         continue
@@ -285,6 +314,8 @@ class PostgresChangeStream(ChangeStream):
         if k.reply_requested:
             # Forwarded: the service echoes it once everything before it is stored.
             return Status({"ack": True}, to_lexi(k.wal_end), True, None)
+        if self._backfills is not None:
+            self._backfills.on_position(to_lexi(k.wal_end))
         self._acker.on_idle_keepalive(k.wal_end)
         self._send_wakeup.set()
         return None
@@ -316,9 +347,30 @@ class PostgresChangeStream(ChangeStream):
             self._reset = _reset_messages(str(e), x.wal_start, e.details)
             log.error("unable to continue replication from %s: %s", format_lsn(x.wal_start), e)
             return self._reset
+        backfills = self._backfills
         for m in out:
             if m.kind == "begin":
                 self._acker.on_begin(m.commit_watermark, skip_ack=m.skip_ack)
+                self._in_tx = True
+                if backfills is not None:
+                    backfills.on_begin(m.commit_watermark)
+            elif m.kind == "commit":
+                self._in_tx = False
+                self._last_commit = m.watermark
+                if backfills is not None:
+                    backfills.on_commit(m.watermark)
+            elif m.kind == "rollback":
+                self._in_tx = False
+            elif m.kind == "data" and backfills is not None:
+                backfills.observe(m)
+        if (
+            backfills is not None
+            and isinstance(message, LogicalMessage)
+            and not message.transactional
+        ):
+            # Outside any transaction: the stream is past this LSN (a backfill
+            # waiting to complete may go now).
+            backfills.on_position(to_lexi(message.lsn))
         return out
 
     async def _swallow(self) -> None:
