@@ -455,6 +455,7 @@ class Subscribers:
         replica_version: str,
         watermark: str,
         sentinel: str | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.sentinel = sentinel or f"hpd-end-{uuid.uuid4().hex}"
         self.proc = subprocess.Popen(
@@ -469,6 +470,7 @@ class Subscribers:
                 self.sentinel,
                 "--timeout",
                 str(POINT_TIMEOUT_S + 60),
+                *extra_args,
             ],
             cwd=ROOT,
             stdout=subprocess.PIPE,

@@ -67,6 +67,7 @@ class Progress:
     final_receipt: float | None = None
     final_watermark: str | None = None
     latencies_ms: list[float] = field(default_factory=list)
+    latency_receipts: list[float] = field(default_factory=list)  # time.time() of each
 
 
 class SubscriptionRefused(Exception):
@@ -249,13 +250,18 @@ def _split(message: bytes) -> tuple[bytes, bytes]:
     return message[6:head], message[start : message.index(b'"', start)]
 
 
-def _commit_latency_ms(msg: Any, received: float) -> float:
-    """Receipt minus upstream commit time: ``commitTime`` (µs) if sent, else ms."""
+def _commit_latency_ms(msg: Any, received: float) -> float | None:
+    """Receipt minus upstream commit time: ``commitTime`` (µs) if sent, else ms; None
+    for a commit with neither (a backfill transaction is no upstream commit)."""
     body = msg[1]
     commit_us = body.get("commitTime")
     if isinstance(commit_us, int):
         return received * 1000.0 - commit_us / 1000.0
-    return received * 1000.0 - float(body["commitTimeMs"])
+    commit_ms = body.get("commitTimeMs")
+    return None if commit_ms is None else received * 1000.0 - float(commit_ms)
+
+
+_BACKFILL_COMPLETED = b'"tag":"backfill-completed"'
 
 
 async def subscribe(
@@ -265,6 +271,7 @@ async def subscribe(
     progress: Progress,
     ready: asyncio.Event,
     record_latency: bool,
+    watch_backfill: bool = False,
 ) -> None:
     """Run one subscriber until the sentinel transaction's commit."""
     ws = await RawSocket.open(base_url, path)
@@ -287,11 +294,15 @@ async def subscribe(
                     progress.changes += 1
                     if not seen_sentinel and sentinel in message:
                         seen_sentinel = True
+                    if watch_backfill and _BACKFILL_COMPLETED in message:
+                        _emit({"event": "backfill_completed", "at": received})
                 elif tag == b"commit":
                     if record_latency or seen_sentinel:
                         msg = orjson.loads(message)["msg"]
-                        if record_latency:
-                            progress.latencies_ms.append(_commit_latency_ms(msg, received))
+                        latency = _commit_latency_ms(msg, received) if record_latency else None
+                        if latency is not None:
+                            progress.latencies_ms.append(latency)
+                            progress.latency_receipts.append(received)
                         if seen_sentinel:
                             progress.final_receipt = received
                             progress.final_watermark = msg[2]["watermark"]
@@ -320,6 +331,7 @@ async def run(args: argparse.Namespace) -> int:
                 progress[i],
                 readies[i],
                 record_latency=(i == 0),
+                watch_backfill=args.watch_backfill and i == 0,
             )
         )
         for i in range(args.k)
@@ -358,6 +370,7 @@ async def run(args: argparse.Namespace) -> int:
             "final_receipts": [p.final_receipt for p in progress],
             "final_watermark": progress[0].final_watermark,
             "latencies_ms": progress[0].latencies_ms,
+            "latency_receipts": progress[0].latency_receipts,
         }
     )
     return 0
@@ -371,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("watermark", help="a stored commit watermark or the replica version")
     parser.add_argument("sentinel", help="text in the last transaction's data")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
+    parser.add_argument(
+        "--watch-backfill",
+        action="store_true",
+        help='emit {"event": "backfill_completed", "at": T} when one arrives',
+    )
     return asyncio.run(run(parser.parse_args(argv)))
 
 
