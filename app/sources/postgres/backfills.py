@@ -211,6 +211,10 @@ class BackfillManager:
         self._running = None
         if r.task is not None:
             r.task.cancel()
+        if r.task is None or r.task.done():
+            # Its reader had read to the end: no done callback is coming to start it
+            # again (a key change voiding the queued batches of a small table).
+            self._check_and_start()
 
     async def _stop(self, reason: str) -> None:
         r = self._running
