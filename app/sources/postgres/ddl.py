@@ -410,6 +410,7 @@ def _schema_changes(prev: PublishedSchema, nxt: PublishedSchema, tag: str) -> li
             created_idx.append(k)
 
     changes: list[dict[str, Any]] = []
+    hidden: list[TableSpec] = []  # tables that arrive with every column backfilling
     for k in dropped_idx:
         index = prev_indexes[k]
         changes.append(
@@ -434,10 +435,57 @@ def _schema_changes(prev: PublishedSchema, nxt: PublishedSchema, tag: str) -> li
             create["backfill"] = {
                 name: {"attNum": col["pos"]} for name, col in spec["columns"].items()
             }
+            hidden.append(spec)
         changes.append(create)
     for k in created_idx:
         changes.append({"tag": "create-index", "spec": next_indexes[k]})
+    # A table that arrives hidden (every column backfilling) gets a truncate of its
+    # (empty) replica table right away. It changes no data, but it gives zero-cache
+    # 1.9.0's replica change log a table-wide entry, so its view-syncers reset their
+    # pipelines and learn the table before any row of it streams; without one, a
+    # row written upstream during the backfill stops them with "change for unknown
+    # table" (zero-cache's bug, which its own Postgres source triggers too).
+    for spec in hidden:
+        changes.append(
+            {
+                "tag": "truncate",
+                "relations": [
+                    relation_object(
+                        spec["oid"],
+                        spec["schema"],
+                        spec["name"],
+                        spec["replicaIdentityColumns"],
+                        spec.get("replicaIdentity", "d"),
+                    )
+                ],
+                "cascade": False,
+                "restartIdentity": False,
+            }
+        )
     return changes
+
+
+IDENTITY_NAMES: Final = {"d": "default", "n": "nothing", "f": "full", "i": "index"}
+
+
+def relation_object(
+    oid: int, schema: str, name: str, key_columns: list[str], identity: str
+) -> dict[str, Any]:
+    """A row change's ``relation``, as the reference's Postgres source sends it: both the
+    v5 form (``rowKey``) and the deprecated one; ``identity`` is pg_class's letter;
+    OIDs ≥ 2^31 read as signed."""
+    kind = IDENTITY_NAMES.get(identity)
+    if kind is None:
+        raise DdlError(f"unknown replica identity {identity!r} of {name}")
+    return {
+        "tag": "relation",
+        "relationOid": oid - (1 << 32) if oid >= (1 << 31) else oid,
+        "schema": schema,
+        "name": name,
+        "rowKey": {"columns": list(key_columns), "type": kind},
+        "keyColumns": list(key_columns),
+        "replicaIdentity": kind,
+    }
 
 
 def _table_changes(old: TableSpec, new: TableSpec, tag: str) -> list[dict[str, Any]]:

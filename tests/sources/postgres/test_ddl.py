@@ -235,11 +235,29 @@ async def test_table_added_to_the_publication_is_backfilled(upstream: Upstream) 
 
     changes = await upstream.run("ALTER PUBLICATION _hpb_public_0 ADD TABLES IN SCHEMA other")
 
-    assert tags(changes) == ["create-table", "create-index"]
-    create = changes[0]
+    assert tags(changes) == ["create-table", "create-index", "truncate"]
+    create, _, truncate = changes
     assert create["spec"]["schema"] == "other"
     # It arrives with rows: every column is filled from upstream.
     assert create["backfill"] == {"id": {"attNum": 1}, "v": {"attNum": 2}}
+    # A truncate of the still empty, hidden table: the table-wide entry zero-cache's
+    # view-syncers need to learn of it before its rows stream (ddl.py).
+    assert truncate == {
+        "tag": "truncate",
+        "relations": [
+            {
+                "tag": "relation",
+                "relationOid": create["spec"]["oid"],
+                "schema": "other",
+                "name": "t",
+                "rowKey": {"columns": ["id"], "type": "default"},
+                "keyColumns": ["id"],
+                "replicaIdentity": "default",
+            }
+        ],
+        "cascade": False,
+        "restartIdentity": False,
+    }
 
 
 async def test_manual_snapshot_replicates_what_the_triggers_missed(upstream: Upstream) -> None:
@@ -251,7 +269,7 @@ async def test_manual_snapshot_replicates_what_the_triggers_missed(upstream: Ups
 
     changes = await upstream.run("SELECT hpb_0.update_schemas()")
 
-    assert tags(changes) == ["create-table", "create-index"]
+    assert tags(changes) == ["create-table", "create-index", "truncate"]
     assert changes[0]["backfill"] == {"id": {"attNum": 1}}  # tag UNKNOWN: backfill
 
 
