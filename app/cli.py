@@ -36,6 +36,12 @@ from app.runtime.backups import (
     litestream_options,
     start_backups,
 )
+from app.runtime.custom import (
+    PreparedCustom,
+    check_custom_settings,
+    custom_service,
+    prepare_custom_upstream,
+)
 from app.runtime.gc_tuning import before_exit, tune_for_streaming
 from app.runtime.memory import return_large_frees, trim_periodically
 from app.runtime.options import streamer_options, task_id
@@ -124,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         refusal = check_startup(settings.admin_password, settings.development)
+        refusal = refusal or check_custom_settings(settings)
         if refusal is not None:
             print(f"changestreamer: {refusal}", file=sys.stderr)
             return 2
@@ -188,7 +195,13 @@ def _restore(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def open_change_db(settings: Settings) -> ChangeDb:
-    options = ChangeDbOptions(sqlite_writer=settings.sqlite_writer)
+    options = ChangeDbOptions(
+        sqlite_writer=settings.sqlite_writer,
+        # A Postgres change DB: at most ZERO_CHANGE_MAX_CONNS connections, as in zero.
+        pg_pool_size=settings.change_max_conns,
+        pg_max_overflow=0,
+        pg_statement_timeout_ms=settings.change_statement_timeout_ms,
+    )
     return create_change_db(parse_change_db_url(settings.change_db_url), settings.shard, options)
 
 
@@ -221,13 +234,21 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     listen_host = host or settings.change_streamer_host
     listen_port = port or settings.listen_port
     address = discovery_address(settings, listen_host, listen_port)
-    prepared: PreparedUpstream | None = None
+    prepared: PreparedUpstream | PreparedCustom | None = None
     if settings.upstream_db:
         try:
             prepared = asyncio.run(_prepare(settings, db))
         except (UpstreamSetupError, ReplicaError, RestoreError, BackupConfigError) as e:
             print(f"changestreamer: {e}", file=sys.stderr)
             return 1
+        except AutoResetSignal as e:  # a custom source's initial sync asked for it
+            if not settings.auto_reset:
+                print(f"changestreamer: the change source requires a reset: {e}", file=sys.stderr)
+                return 1
+            log.warning("the change source requires a reset during the initial sync: %s", e)
+            return _AUTO_RESET
+    # After a restore (Postgres only): the previous owner keeps its log until we own it.
+    held = prepared.held_reservation if isinstance(prepared, PreparedUpstream) else None
     server: uvicorn.Server | None = None
     built: list[ChangeStreamerService] = []
     releasers: set[asyncio.Task[None]] = set()
@@ -240,7 +261,11 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         if prepared is None:
             service = await demo_service(settings, db, address=address)
         else:
-            runtime = await postgres_service(settings, db, prepared, address=address)
+            runtime = (
+                await custom_service(settings, db, prepared, address=address)
+                if isinstance(prepared, PreparedCustom)
+                else await postgres_service(settings, db, prepared, address=address)
+            )
             if settings.follow_replica:
                 runtime.start_backup(
                     settings.change_db_url,
@@ -249,9 +274,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
                 )
             service = runtime.service
         start_backups(service, settings, replica_file=settings.replica_file if prepared else None)
-        if prepared is not None and prepared.held_reservation is not None:
-            # After a restore: the previous owner keeps its log until we own it.
-            held = prepared.held_reservation
+        if held is not None:
 
             async def release_once_owner() -> None:
                 await service.owning.wait()
@@ -305,8 +328,8 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     try:
         server.run()
     finally:
-        if prepared is not None and prepared.held_reservation is not None:
-            prepared.held_reservation.release()
+        if held is not None:
+            held.release()
         before_exit()
     failure = built[0].failure if built else None
     if failure is None:
@@ -317,8 +340,10 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     return 1
 
 
-async def _prepare(settings: Settings, db: ChangeDb) -> PreparedUpstream:
+async def _prepare(settings: Settings, db: ChangeDb) -> PreparedUpstream | PreparedCustom:
     try:
+        if settings.upstream_type == "custom":
+            return await prepare_custom_upstream(settings, db)
         return await prepare_upstream(settings, db)
     finally:
         await db.dispose()  # the server runs its own event loop and pools
@@ -329,16 +354,21 @@ def discovery_address(settings: Settings, host: str, port: int) -> str:
 
     ``ZERO_CHANGE_STREAMER_ADDRESS`` if set; else the listen address, with a
     wildcard listen address replaced by this host's IP (a wildcard is not a place
-    to connect to).
+    to connect to). With ``ZERO_CHANGE_STREAMER_PROTOCOL=wss`` it is prefixed with
+    ``wss://`` as zero does (``ws`` stays bare, for view-syncers that expect no
+    scheme), unless the address already names a scheme.
     """
-    if settings.change_streamer_address:
-        return settings.change_streamer_address
-    if host in ("0.0.0.0", "::", ""):
-        try:
-            host = socket.gethostbyname(socket.gethostname())
-        except OSError:
-            host = "127.0.0.1"
-    return f"{host}:{port}"
+    address = settings.change_streamer_address
+    if not address:
+        if host in ("0.0.0.0", "::", ""):
+            try:
+                host = socket.gethostbyname(socket.gethostname())
+            except OSError:
+                host = "127.0.0.1"
+        address = f"{host}:{port}"
+    if settings.change_streamer_protocol == "wss" and "://" not in address:
+        return f"wss://{address}"
+    return address
 
 
 async def demo_service(settings: Settings, db: ChangeDb, *, address: str) -> ChangeStreamerService:

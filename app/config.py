@@ -15,6 +15,7 @@ names the variable, so start-up ends with a readable error.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -77,15 +78,28 @@ class Settings(BaseModel):
     # Read by nobody yet but litestream's configuration (app/backup).
     log_format: Literal["text", "json"] = Field("text", validation_alias=_env("ZERO_LOG_FORMAT"))
     upstream_db: str | None = Field(None, validation_alias=_env("ZERO_UPSTREAM_DB"))
+    # pg: ZERO_UPSTREAM_DB is a Postgres URL; custom: a custom change source's ws:// URL
+    # (app/runtime/custom.py). Without ZERO_UPSTREAM_DB, serve runs the demo source.
+    upstream_type: Literal["pg", "custom"] = Field(
+        "pg", validation_alias=_env("ZERO_UPSTREAM_TYPE")
+    )
     task_id: str | None = Field(None, validation_alias=_env("ZERO_TASK_ID"))
     startup_delay_ms: int = Field(
         15_000, ge=0, validation_alias=_env("ZERO_CHANGE_STREAMER_STARTUP_DELAY_MS")
     )
     auto_reset: bool = Field(True, validation_alias=_env("ZERO_AUTO_RESET"))
-    back_pressure_bytes: int = Field(
-        64 * 1024 * 1024,
+    # Unset: ..._HEAP_PROPORTION of the memory limit if that is set, else 64 MiB
+    # (app/runtime/options.py; an explicit byte budget always wins).
+    back_pressure_bytes: int | None = Field(
+        None,
         gt=0,
         validation_alias=_env("ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_BYTES"),
+    )
+    # zero: a fraction of V8's heap limit. Python has no heap limit, so here it is a
+    # fraction of the process's memory limit (its cgroup's, else the machine's RAM).
+    back_pressure_heap_proportion: float | None = Field(
+        None,
+        validation_alias=_env("ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_HEAP_PROPORTION"),
     )
     consensus_timeout_proportion: float = Field(
         2.0,
@@ -96,6 +110,40 @@ class Settings(BaseModel):
         validation_alias=_env(
             "ZERO_CHANGE_STREAMER_FLOW_CONTROL_SLOW_SUBSCRIBER_GRACE_PERIOD_SECONDS"
         ),
+    )
+    # Replication lag reports through the upstream's WAL (zero's default); <= 0: none.
+    replication_lag_report_interval_ms: int = Field(
+        30_000, validation_alias=_env("ZERO_REPLICATION_LAG_REPORT_INTERVAL_MS")
+    )
+    # Upstream connections besides the replication stream: initial sync's parallel
+    # copy workers are capped to it (the only place this role opens many at once).
+    upstream_max_conns: int = Field(20, ge=1, validation_alias=_env("ZERO_UPSTREAM_MAX_CONNS"))
+    initial_sync_table_copy_workers: int = Field(
+        5, ge=1, validation_alias=_env("ZERO_INITIAL_SYNC_TABLE_COPY_WORKERS")
+    )
+    # Tear the replication stream down after this long without an inbound message
+    # (default: 2 x the server's wal_sender_timeout).
+    upstream_pg_stream_inbound_timeout_ms: int | None = Field(
+        None, gt=0, validation_alias=_env("ZERO_UPSTREAM_PG_STREAM_INBOUND_TIMEOUT_MS")
+    )
+    # Slots created with FAILOVER (Postgres 17+; refused on older servers at start-up).
+    upstream_pg_replication_slot_failover: bool = Field(
+        False, validation_alias=_env("ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER")
+    )
+    # A Postgres change DB: pool size, and statement_timeout of its sessions (also the
+    # storer's wedge watchdog, zero's meaning of the setting).
+    change_max_conns: int = Field(5, ge=1, validation_alias=_env("ZERO_CHANGE_MAX_CONNS"))
+    change_statement_timeout_ms: int = Field(
+        20_000, gt=0, validation_alias=_env("ZERO_CHANGE_STATEMENT_TIMEOUT_MS")
+    )
+    # Change-log rows per group commit: a group stops taking whole transactions once it
+    # holds this many (the storer's group_max_rows; zero: rows per multi-row INSERT).
+    change_log_batch_size: int = Field(
+        10_000, ge=1, validation_alias=_env("ZERO_CHANGE_LOG_BATCH_SIZE")
+    )
+    # wss: the discovery address written to ownerAddress is "wss://<address>".
+    change_streamer_protocol: Literal["ws", "wss"] = Field(
+        "ws", validation_alias=_env("ZERO_CHANGE_STREAMER_PROTOCOL")
     )
     # Per subscriber connection: bytes sent and not yet acknowledged before it is
     # dropped (flow control normally keeps this far lower: it bounds a stuck one).
@@ -275,6 +323,35 @@ class Settings(BaseModel):
             except speedups_module.SpeedupsSettingError as e:
                 raise PydanticCustomError(_WHOLE_LINE, str(e)) from None
         return value
+
+    @field_validator("upstream_type", mode="before")
+    @classmethod
+    def _check_upstream_type(cls, value: Any) -> Any:
+        if value not in ("pg", "custom"):
+            raise PydanticCustomError(
+                _WHOLE_LINE,
+                "ZERO_UPSTREAM_TYPE must be pg or custom (got {got})",
+                {"got": repr(value)},
+            )
+        return value
+
+    @field_validator("back_pressure_heap_proportion", mode="before")
+    @classmethod
+    def _check_heap_proportion(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not (math.isfinite(number) and 0 < number <= 1):
+            raise PydanticCustomError(
+                _WHOLE_LINE,
+                "ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_HEAP_PROPORTION must be a fraction "
+                "above 0 and at most 1 (got {got})",
+                {"got": repr(value)},
+            )
+        return number
 
     @field_validator("log_level")
     @classmethod

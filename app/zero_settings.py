@@ -68,7 +68,6 @@ def _unsupported(reason: str, *harmless: str) -> ZeroSetting:
     return ZeroSetting(Category.UNSUPPORTED, reason, frozenset(harmless))
 
 
-_NO_LAG_REPORTS: Final = "this service sends no replication lag reports"
 _NO_EVENTS: Final = "this service publishes no ZeroEvents"
 _NO_SHADOW_SYNC: Final = "this service runs no shadow initial syncs"
 _PUSH: Final = "view-syncer: custom mutators"
@@ -81,18 +80,15 @@ _SOCKETS: Final = "view-syncer: client websockets"
 # In docs/zero-1.9.0-settings.tsv's order.
 CATALOG: Final[Mapping[str, ZeroSetting]] = {
     "ZERO_UPSTREAM_DB": _implemented(),
-    "ZERO_UPSTREAM_TYPE": _unsupported(
-        "custom change sources: serve replicates Postgres or runs the demo source", "pg"
-    ),
-    # zero reads it only for committing mutations, and in the dispatcher's check of
-    # connections per sync worker; its change-streamer never does.
-    "ZERO_UPSTREAM_MAX_CONNS": _other("view-syncer: mutations"),
+    # pg or custom (app/runtime/custom.py); Settings refuses anything else.
+    "ZERO_UPSTREAM_TYPE": _implemented(),
+    # zero reads it only for committing mutations; here it caps the non-replication
+    # upstream connections open at once (initial sync's copy workers).
+    "ZERO_UPSTREAM_MAX_CONNS": _implemented(),
     "ZERO_UPSTREAM_MAX_CONNS_PER_WORKER": _other("view-syncer: mutations"),
-    "ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER": _unsupported("PG17 failover slots", "false", "0"),
-    # Could be wired to PostgresSourceOptions.silence_timeout_s (app/runtime).
-    "ZERO_UPSTREAM_PG_STREAM_INBOUND_TIMEOUT_MS": _ignored(
-        "the stream is torn down after 2 × wal_sender_timeout of silence, zero's default"
-    ),
+    # Refused at start-up on Postgres before 17 (zero silently ignores it there).
+    "ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER": _implemented(),
+    "ZERO_UPSTREAM_PG_STREAM_INBOUND_TIMEOUT_MS": _implemented(),
     "ZERO_PUSH_URL": _other(_PUSH),
     "ZERO_PUSH_API_KEY": _other(_PUSH),
     "ZERO_PUSH_FORWARD_COOKIES": _other(_PUSH),
@@ -127,11 +123,10 @@ CATALOG: Final[Mapping[str, ZeroSetting]] = {
     "ZERO_ENABLE_QUERY_COVERING": _other(_IVM),
     "ZERO_YIELD_THRESHOLD_MS": _other(_IVM),
     "ZERO_CHANGE_DB": _implemented(),
-    "ZERO_CHANGE_MAX_CONNS": _ignored("this service sizes its change DB pools itself"),
-    "ZERO_CHANGE_STATEMENT_TIMEOUT_MS": _ignored(
-        "change-log transactions are bounded by a 60 s idle-in-transaction timeout instead"
-    ),
-    "ZERO_CHANGE_LOG_BATCH_SIZE": _ignored("the storer sizes its own group commits"),
+    # A Postgres change DB's pool; a SQLite one has one writer and its own readers.
+    "ZERO_CHANGE_MAX_CONNS": _implemented(),
+    "ZERO_CHANGE_STATEMENT_TIMEOUT_MS": _implemented(),
+    "ZERO_CHANGE_LOG_BATCH_SIZE": _implemented(),
     "ZERO_REPLICA_FILE": _implemented(),
     # zero's replication-manager vacuums its backup replica with it.
     "ZERO_REPLICA_VACUUM_INTERVAL_HOURS": _ignored("the replica is not VACUUMed at start-up"),
@@ -158,19 +153,14 @@ CATALOG: Final[Mapping[str, ZeroSetting]] = {
     "ZERO_CHANGE_STREAMER_MODE": _other("view-syncer: where the change-streamer is"),
     "ZERO_CHANGE_STREAMER_PORT": _implemented(),
     "ZERO_CHANGE_STREAMER_ADDRESS": _implemented(),
-    # With wss, zero writes "wss://<address>" for view-syncers in discover mode; a plain
-    # address here would send them to ws:// instead.
-    "ZERO_CHANGE_STREAMER_PROTOCOL": _unsupported(
-        "a wss:// discovery address; set ZERO_CHANGE_STREAMER_ADDRESS=wss://host:port instead",
-        "ws",
-    ),
+    # With wss, "wss://<address>" is written for view-syncers in discover mode, as zero does.
+    "ZERO_CHANGE_STREAMER_PROTOCOL": _implemented(),
     "ZERO_CHANGE_STREAMER_DISCOVERY_INTERFACE_PREFERENCES": _ignored(
         "the discovery address is ZERO_CHANGE_STREAMER_ADDRESS, else the host name's IP"
     ),
     "ZERO_CHANGE_STREAMER_STARTUP_DELAY_MS": _implemented(),
-    "ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_HEAP_PROPORTION": _ignored(
-        "back pressure is a byte budget here: ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_BYTES"
-    ),
+    # × the memory limit, unless ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_BYTES is set.
+    "ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_HEAP_PROPORTION": _implemented(),
     "ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_PADDING_SECONDS": _ignored(
         "flow control waits per ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_TIMEOUT_PROPORTION"
     ),
@@ -179,7 +169,7 @@ CATALOG: Final[Mapping[str, ZeroSetting]] = {
     "ZERO_PER_USER_MUTATION_LIMIT_WINDOW_MS": _other("view-syncer: mutations"),
     "ZERO_NUM_SYNC_WORKERS": _other("view-syncer: sync workers"),
     "ZERO_AUTO_RESET": _implemented(),
-    "ZERO_REPLICATION_LAG_REPORT_INTERVAL_MS": _ignored(_NO_LAG_REPORTS),
+    "ZERO_REPLICATION_LAG_REPORT_INTERVAL_MS": _implemented(),
     "ZERO_ADMIN_PASSWORD": _implemented(),
     "ZERO_WEBSOCKET_COMPRESSION": _other(_SOCKETS),
     "ZERO_WEBSOCKET_COMPRESSION_OPTIONS": _other(_SOCKETS),
@@ -207,9 +197,7 @@ CATALOG: Final[Mapping[str, ZeroSetting]] = {
     "ZERO_LITESTREAM_MULTIPART_CONCURRENCY": _implemented(),
     "ZERO_LITESTREAM_MULTIPART_SIZE": _implemented(),
     "ZERO_STORAGE_DBTMP_DIR": _other(_IVM),
-    "ZERO_INITIAL_SYNC_TABLE_COPY_WORKERS": _ignored(
-        "initial sync uses a fixed number of copy workers"
-    ),
+    "ZERO_INITIAL_SYNC_TABLE_COPY_WORKERS": _implemented(),
     "ZERO_INITIAL_SYNC_PROFILE_COPY": _ignored("no CPU profile of the copy; use /profile"),
     "ZERO_INITIAL_SYNC_TEXT_COPY": _ignored("initial sync always copies in text format"),
     # zero runs shadow syncs beside its change-streamer (server/main.js).
@@ -241,7 +229,10 @@ OUTSIDE_OPTIONS: Final[Mapping[str, ZeroSetting]] = {
     "ZERO_IDLE_IN_TRANSACTION_SESSION_TIMEOUT": _ignored(
         "change DB sessions use a fixed 60 s idle-in-transaction timeout"
     ),
-    "ZERO_LOG_ALL_REPLICATION_REPORTS_AT_DEBUG": _ignored(_NO_LAG_REPORTS),
+    # zero's replicator logs every report it records with it.
+    "ZERO_LOG_ALL_REPLICATION_REPORTS_AT_DEBUG": _ignored(
+        "lag reports are not logged one by one; /statz and /metrics show them"
+    ),
     # zero-cache sets it for litestream; so does app/backup.
     "ZERO_LITESTREAM_SNAPSHOT_RETENTION_INTERVAL_HOURS": _ignored(
         "derived from ZERO_LITESTREAM_SNAPSHOT_BACKUP_INTERVAL_HOURS + 6 h, as in zero-cache"

@@ -206,12 +206,30 @@ def test_the_discovery_address_is_never_a_wildcard(
             "changestreamer: unknown setting ZERO_FROBNICATE: not a zero-cache 1.9.0 setting",
         ),
         (
-            {"ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER": "true"},
-            "changestreamer: ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER",
+            {"ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER": "maybe"},
+            "changestreamer: invalid setting ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER: "
+            "Input should be a valid boolean",
+        ),
+        (
+            {"ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_HEAP_PROPORTION": "2"},
+            "changestreamer: ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_HEAP_PROPORTION must be a "
+            "fraction above 0 and at most 1 (got '2')",
         ),
         (
             {"ZERO_LITESTREAM_BACKUP_URL": "file:///tmp/b"},
             "changestreamer: ZERO_LITESTREAM_BACKUP_URL needs a Postgres upstream",
+        ),
+        (
+            {"ZERO_UPSTREAM_TYPE": "mysql"},
+            "changestreamer: ZERO_UPSTREAM_TYPE must be pg or custom (got 'mysql')",
+        ),
+        (
+            {"ZERO_UPSTREAM_TYPE": "custom"},
+            "changestreamer: ZERO_UPSTREAM_TYPE=custom needs ZERO_UPSTREAM_DB",
+        ),
+        (
+            {"ZERO_UPSTREAM_TYPE": "custom", "ZERO_UPSTREAM_DB": "postgres://u@h/db"},
+            "changestreamer: ZERO_UPSTREAM_DB: custom change source URL must be ws:// or wss://",
         ),
     ],
 )

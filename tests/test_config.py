@@ -138,7 +138,7 @@ def test_every_kind_of_known_name_is_accepted() -> None:
         "ZERO_OPERATOR_PASSWORD": "op",  # own extension
         "ZERO_CVR_DB": "postgres://cvr",  # other role
         "ZERO_CHANGE_LOG_BATCH_SIZE": "10",  # tuning ignored
-        "ZERO_UPSTREAM_TYPE": "pg",  # unsupported, at zero's default
+        "ZERO_UPSTREAM_TYPE": "pg",  # implemented
         "ZERO_IN_CONTAINER": "1",  # outside zero's options
         "CHANGESTREAMER_SQLITE_WRITER": "thread",
         # The test suite's own variables reach `serve` through inherited environments.
@@ -193,18 +193,6 @@ def test_read_environment_puts_the_environment_over_the_env_file(tmp_path: Path)
 @pytest.mark.parametrize(
     ("name", "value", "reason"),
     [
-        ("ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER", "true", "PG17 failover slots"),
-        ("ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER", "1", "PG17 failover slots"),
-        (
-            "ZERO_UPSTREAM_TYPE",
-            "custom",
-            "custom change sources: serve replicates Postgres or runs the demo source",
-        ),
-        (
-            "ZERO_CHANGE_STREAMER_PROTOCOL",
-            "wss",
-            "a wss:// discovery address; set ZERO_CHANGE_STREAMER_ADDRESS=wss://host:port instead",
-        ),
         ("ZERO_SHARD_ID", "0", "zero-cache refuses it too; use ZERO_APP_ID"),
     ],
 )
@@ -220,7 +208,6 @@ def test_an_unsupported_setting_stops_start_up(name: str, value: str, reason: st
         ("ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER", ""),
         ("ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER", "false"),
         ("ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER", "0"),
-        ("ZERO_UPSTREAM_TYPE", "pg"),
         ("ZERO_CHANGE_STREAMER_PROTOCOL", "ws"),
         ("ZERO_SHARD_ID", ""),
     ],
@@ -228,6 +215,21 @@ def test_an_unsupported_setting_stops_start_up(name: str, value: str, reason: st
 def test_an_unsupported_setting_at_zeros_default_is_accepted(name: str, value: str) -> None:
     assert refusal(name, value) is None
     assert load({name: value}).startup_notes == ()
+
+
+# The upstream type
+
+
+@pytest.mark.parametrize(("value", "expected"), [("pg", "pg"), ("custom", "custom"), ("", "pg")])
+def test_the_upstream_type_is_pg_or_custom(value: str, expected: str) -> None:
+    assert load({"ZERO_UPSTREAM_TYPE": value}).upstream_type == expected
+
+
+@pytest.mark.parametrize("value", ["mysql", "PG", "custom "])
+def test_any_other_upstream_type_is_one_line(value: str) -> None:
+    assert refused({"ZERO_UPSTREAM_TYPE": value}) == (
+        f"ZERO_UPSTREAM_TYPE must be pg or custom (got {value!r})"
+    )
 
 
 # Start-up notes
@@ -238,7 +240,7 @@ def test_start_up_notes_name_other_roles_and_ignored_tuning_once() -> None:
         "ZERO_NUM_SYNC_WORKERS": "0",
         "ZERO_CVR_DB": "postgres://cvr",
         "ZERO_MUTATE_URL": "",  # empty: unset
-        "ZERO_CHANGE_MAX_CONNS": "3",
+        "ZERO_REPLICA_VACUUM_INTERVAL_HOURS": "3",
         "ZERO_INITIAL_SYNC_TEXT_COPY": "true",
         "ZERO_UPSTREAM_DB": "postgres://up",
         "ZERO_TASK_ID": None,
@@ -247,8 +249,8 @@ def test_start_up_notes_name_other_roles_and_ignored_tuning_once() -> None:
         "settings for other zero-cache roles, not used by this service: "
         "ZERO_CVR_DB, ZERO_NUM_SYNC_WORKERS",
         "settings accepted but without effect here: "
-        "ZERO_CHANGE_MAX_CONNS (this service sizes its change DB pools itself), "
-        "ZERO_INITIAL_SYNC_TEXT_COPY (initial sync always copies in text format)",
+        "ZERO_INITIAL_SYNC_TEXT_COPY (initial sync always copies in text format), "
+        "ZERO_REPLICA_VACUUM_INTERVAL_HOURS (the replica is not VACUUMed at start-up)",
     ]
     assert startup_notes(env) == expected
     loaded = {k: v for k, v in env.items() if v is not None}

@@ -5,14 +5,22 @@ from __future__ import annotations
 import uuid
 
 from app.config import Settings
+from app.runtime.memory_limit import back_pressure_bytes
 from app.streamer.service import StreamerOptions
+from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES
 
 __all__ = ["streamer_options", "task_id"]
 
 
 def streamer_options(settings: Settings) -> StreamerOptions:
     return StreamerOptions(
-        back_pressure_bytes=settings.back_pressure_bytes,
+        back_pressure_bytes=back_pressure_bytes(
+            settings.back_pressure_bytes,
+            settings.back_pressure_heap_proportion,
+            DEFAULT_BACK_PRESSURE_BYTES,
+        ),
+        statement_timeout_s=settings.change_statement_timeout_ms / 1000,
+        change_log_batch_size=settings.change_log_batch_size,
         timeout_proportion=settings.consensus_timeout_proportion,
         slow_subscriber_grace_s=settings.slow_subscriber_grace_s,
         max_unconsumed_bytes=settings.subscriber_max_unacked_bytes,

@@ -31,23 +31,22 @@ from app.config import Settings
 from app.replica.schema import ReplicaState, read_replica_state, remove_replica_files
 from app.runtime.backups import RestoreError, restore_if_missing
 from app.runtime.held_reservation import HeldReservation
-from app.runtime.options import streamer_options, task_id
-from app.runtime.replica_follower import ReplicaFollower
+from app.runtime.replica_runtime import (
+    ReplicaRuntime,
+    UpstreamSetupError,
+    service_over_replica,
+)
 from app.sources.postgres.errors import AutoResetRequired, ShardSetupError
-from app.sources.postgres.initial_sync import InitialSyncError, initial_sync
+from app.sources.postgres.initial_sync import DEFAULT_WORKERS, InitialSyncError, initial_sync
 from app.sources.postgres.pgwire import ConnectError, parse_conninfo
 from app.sources.postgres.shard import ShardConfig
-from app.sources.postgres.slots import ReplicaRow, check_replica
+from app.sources.postgres.slots import ReplicaRow, check_replica, failover_refusal
 from app.sources.postgres.source import PostgresChangeSource, PostgresSourceOptions
 from app.storage import (
-    AutoResetSignal,
     ChangeDb,
     Replication,
     ReplicationConfig,
-    SubscriptionState,
 )
-from app.storage.engine import Shard
-from app.streamer.service import ChangeStreamerService
 
 __all__ = [
     "PostgresRuntime",
@@ -60,50 +59,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class UpstreamSetupError(Exception):
-    """The upstream or the replica cannot be used; the message says what to do."""
-
-
 @dataclass(slots=True)
-class PostgresRuntime:
-    service: ChangeStreamerService
-    replica: ReplicaState
-    replica_file: Path
-    slot: str
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
-
-    def start_backup(self, change_db_url: str, shard: Shard, *, log_level: str = "warning") -> None:
-        """Keeps the replica file current from the change log in a child process, once
-        the service owns the log; it stops with the service."""
-        follower = ReplicaFollower(self.replica_file, change_db_url, shard, log_level=log_level)
-        service = self.service
-        service.durable_listeners.append(follower.notify)
-
-        async def follow() -> None:
-            owning = asyncio.ensure_future(service.owning.wait())
-            stopped = asyncio.ensure_future(service.stopped.wait())
-            await asyncio.wait({owning, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            owning.cancel()
-            if not stopped.done():
-                run = asyncio.ensure_future(follower.run())
-                await asyncio.wait({run, stopped}, return_when=asyncio.FIRST_COMPLETED)
-                await follower.stop()
-                if await run:
-                    # As a backup subscriber that is behind the log would: reset.
-                    service.fail(
-                        AutoResetSignal(
-                            f"the change log cannot bring replica {self.replica_file} forward"
-                        )
-                    )
-            stopped.cancel()
-
-        task = asyncio.create_task(follow(), name="replica-follower")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def wait_closed(self) -> None:
-        """Returns once what ``start_backup`` started has stopped (after the service)."""
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+class PostgresRuntime(ReplicaRuntime):
+    slot: str = field(kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +92,8 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
         shard_num=settings.shard_num,
         publications=tuple(settings.app_publications),
     )
+    if settings.upstream_pg_replication_slot_failover:
+        await _check_failover(upstream)
     replication = Replication(db)
     existing = await replication.config()
     reset_required = existing is not None and existing.reset_required
@@ -147,6 +107,7 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
             settings.replica_file,
             auto_reset=settings.auto_reset,
             force=reset_required,
+            sync=_sync_options(settings),
         )
     except (ShardSetupError, InitialSyncError, psycopg.Error) as e:
         raise UpstreamSetupError(f"upstream {_redacted(upstream)}: {e}") from e
@@ -158,16 +119,6 @@ async def postgres_service(
 ) -> PostgresRuntime:
     """Steps 2 and 3: the change DB tied to the replica, and the service over the slot."""
     state, row = prepared.replica, prepared.row
-    replication = Replication(db)
-    await replication.ensure_config(
-        SubscriptionState(
-            state.replica_version, tuple(sorted(row.publications)), state.state_version
-        ),
-        auto_reset=settings.auto_reset,
-    )
-    durable = await replication.state()
-    assert durable is not None
-    task = task_id(settings)
     source = PostgresChangeSource(
         prepared.url,
         PostgresSourceOptions(
@@ -178,17 +129,16 @@ async def postgres_service(
             ddl_detection=row.ddl_detection,
             initial_schema=dict(row.initial_schema) if row.initial_schema is not None else None,
             replica_id=row.id,
+            silence_timeout_s=(
+                settings.upstream_pg_stream_inbound_timeout_ms / 1000
+                if settings.upstream_pg_stream_inbound_timeout_ms is not None
+                else None
+            ),
         ),
+        lag_report_interval_ms=settings.replication_lag_report_interval_ms,
     )
-    service = ChangeStreamerService(
-        db=db,
-        source=source,
-        task_id=task,
-        address=address,
-        replica_version=state.replica_version,
-        durable_watermark=durable.last_watermark,
-        options=streamer_options(settings),
-        taking_over=durable.owner not in (None, "", task),
+    service = await service_over_replica(
+        settings, db, source, state, row.publications, address=address
     )
     log.info(
         "replicating %s through slot %s; replica %s at %s",
@@ -202,8 +152,48 @@ async def postgres_service(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class SyncOptions:
+    """How an initial sync runs (its settings)."""
+
+    workers: int = DEFAULT_WORKERS
+    failover: bool = False
+
+
+def _sync_options(settings: Settings) -> SyncOptions:
+    workers = settings.initial_sync_table_copy_workers
+    if workers > settings.upstream_max_conns:
+        # Each copy worker holds an upstream connection for the whole copy.
+        log.info(
+            "initial sync copies with %d workers (ZERO_UPSTREAM_MAX_CONNS=%d caps "
+            "ZERO_INITIAL_SYNC_TABLE_COPY_WORKERS=%d)",
+            settings.upstream_max_conns,
+            settings.upstream_max_conns,
+            workers,
+        )
+        workers = settings.upstream_max_conns
+    return SyncOptions(workers=workers, failover=settings.upstream_pg_replication_slot_failover)
+
+
+async def _check_failover(upstream: str) -> None:
+    """Failover slots need Postgres 17: refuse at once, not at the next initial sync."""
+    try:
+        async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as conn:
+            refusal = failover_refusal(conn.info.server_version)
+    except psycopg.Error as e:
+        raise UpstreamSetupError(f"upstream {_redacted(upstream)}: {e}") from e
+    if refusal is not None:
+        raise UpstreamSetupError(refusal)
+
+
 async def _prepare_replica(
-    upstream: str, cfg: ShardConfig, replica_file: Path, *, auto_reset: bool, force: bool
+    upstream: str,
+    cfg: ShardConfig,
+    replica_file: Path,
+    *,
+    auto_reset: bool,
+    force: bool,
+    sync: SyncOptions | None = None,
 ) -> tuple[ReplicaState, ReplicaRow]:
     if await asyncio.to_thread(replica_file.exists):
         reason: str | None = "the change DB says a reset is required" if force else None
@@ -228,7 +218,8 @@ async def _prepare_replica(
         log.warning("replica %s cannot continue (%s): re-syncing it", replica_file, reason)
         remove_replica_files(replica_file)
     log.info("initial sync of %s into %s", _redacted(upstream), replica_file)
-    await initial_sync(upstream, cfg, replica_file)
+    sync = sync or SyncOptions()
+    await initial_sync(upstream, cfg, replica_file, workers=sync.workers, failover=sync.failover)
     state = read_replica_state(replica_file)
     return state, await _check(upstream, cfg, state.replica_version)
 

@@ -28,12 +28,21 @@ gauges as they are at that moment, so there is no registry to keep. Metrics:
 ``changestreamer_handshakes_waiting``             gauge    websocket handshakes held for their turn
 ``changestreamer_handshakes_held_total``          counter  handshakes that had to wait
 ``changestreamer_connections_refused_total{status}`` counter  connections refused (503, 408, 414…)
+``changestreamer_slot_retained_wal_bytes{slot}``  gauge    WAL Postgres keeps for the slot (pg)
+``changestreamer_slot_unconfirmed_wal_bytes{slot}`` gauge  WAL past the slot's confirmed flush (pg)
+``changestreamer_lag_report_retries_total``       counter  lag reports sent again (pg)
 ================================================  =======  =================================
 
 Counters restart from zero with the process (Prometheus' ``rate`` handles that).
 ``changestreamer_lag_seconds`` appears once a lag report with timings arrived; it
-rises between reports (every ``ZERO_REPLICATION_LAG_REPORT_INTERVAL_MS``) and
-keeps rising when replication stalls, which is what an alert wants.
+is computed at scrape time (now − the report's upstream commit time), so it rises
+between reports (every ``ZERO_REPLICATION_LAG_REPORT_INTERVAL_MS``) and keeps
+rising when replication stalls, which is what an alert wants.
+
+The ``(pg)`` metrics come from the change source (``ChangeSource.metrics``): the
+Postgres source reports every slot of the shard (an old replica's slot pins WAL
+too), read with one bounded query that is reused for a few seconds
+(``SlotWalProbe``), so frequent scrapes do not load the upstream.
 ``changestreamer_backup_lag_seconds`` appears once a backup watermark is known: how
 long the oldest durable commit that no backup covers yet has been durable (0 when
 the backup is caught up).
@@ -60,11 +69,16 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from app.server.http_protocol import PendingLimits
+from app.sources.base import SourceMetric
 from app.storage import ChangeLog
 from app.streamer.service import ChangeStreamerService
 from app.timeouts import within
 
 log = logging.getLogger(__name__)
+
+# A scrape waits at most this long for the change source's metrics (its own reads
+# are bounded and cached; this guards against a source that is not).
+SOURCE_METRICS_TIMEOUT_S = 5.0
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -132,6 +146,21 @@ def latest_lag_report(service: ChangeStreamerService) -> dict[str, Any] | None:
     """
     report: dict[str, Any] | None = service._latest_lag_report
     return report
+
+
+async def source_metrics(service: ChangeStreamerService) -> list[SourceMetric]:
+    """What the change source adds (``ChangeSource.metrics``); nothing if that fails.
+
+    Like ``latest_lag_report``, the one place that reads the service's source.
+    """
+    try:
+        metrics: list[SourceMetric] = await within(
+            service._source.metrics(), SOURCE_METRICS_TIMEOUT_S
+        )
+    except Exception as e:
+        log.warning("metrics: the change source's metrics failed: %r", e)
+        return []
+    return metrics
 
 
 def lag_seconds(report: dict[str, Any] | None, now_s: float) -> float | None:
@@ -266,6 +295,11 @@ async def collect(
                 "Seconds since the upstream commit of the newest replication lag report.",
             ).add(lag)
         )
+    for metric in await source_metrics(service):
+        family = MetricFamily(metric.name, metric.type, metric.help)
+        for labels, value in metric.samples:
+            family.add(value, **labels)
+        families.append(family)
     families.append(
         MetricFamily(
             "changestreamer_backup_wedged",

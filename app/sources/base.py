@@ -20,14 +20,26 @@ Rules a source must follow (spec/source.md §1.2, §2.4, §3):
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from app.protocol.messages import ChangeSourceMessage
 
 # One entry per table with pending backfills (spec/core.md §5.2):
 # {"table": {"schema", "name", "metadata"}, "columns": {column: backfill_id}}
 BackfillRequest = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceMetric:
+    """A metric a source adds to ``/metrics`` (read on scrape): its samples are
+    (labels, value) pairs."""
+
+    name: str
+    type: Literal["gauge", "counter"]
+    help: str
+    samples: Sequence[tuple[Mapping[str, str], float]]
 
 
 class ChangeSourceError(Exception):
@@ -71,6 +83,11 @@ class ChangeSource(abc.ABC):
     async def stats(self) -> dict[str, Any]:
         """What ``/statz``'s ``upstream`` group shows of this source."""
         return {"type": self.upstream_type}
+
+    async def metrics(self) -> list[SourceMetric]:
+        """What ``/metrics`` shows of this source; read on scrape, so it must be
+        bounded and cheap (cache what costs a query)."""
+        return []
 
     def start_lag_reporter(self) -> dict[str, Any] | None:
         """Starts lag reports if the source has them; returns the first ``{"nextSendTimeMs"}``."""

@@ -8,7 +8,13 @@ outbound text frame is one upstream ack (``["status", ..., {"watermark": W}]``).
 
 One connection is one :class:`CustomChangeStream`. Reconnecting (with backoff) is the
 service's job: a stream that ends or fails is closed and a new one started from the
-durable watermark.
+durable watermark. A stream also fails (and closes with 1008) when the source breaks
+the watermark rules of spec/source.md §2.4 (:mod:`app.sources.custom_rules`): the
+service then reconnects from what is stored, so nothing of the offending transaction
+is kept and nothing before it is lost.
+
+The initial sync (spec/source.md §4.2) opens the same stream without
+``lastWatermark``/``replicaVersion`` (:meth:`CustomChangeSource.start_initial_sync`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from app.protocol.messages import (
 )
 from app.sources.base import BackfillRequest, ChangeSource, ChangeSourceError, ChangeStream
 from app.sources.coalescing import CoalescingSender
+from app.sources.custom_rules import StreamRules
 from app.sources.liveness import Liveness
 
 __all__ = ["CustomChangeSource", "CustomChangeStream", "close_reason", "stream_url"]
@@ -147,7 +154,7 @@ class CustomChangeSource(ChangeSource):
         app_id: str,
         shard_num: int,
         publications: Sequence[str],
-        replica_version: str,
+        replica_version: str | None,
         connect_timeout_s: float = 10.0,
         ping_interval_s: float = 30.0,
         close_timeout_s: float = 5.0,
@@ -165,18 +172,19 @@ class CustomChangeSource(ChangeSource):
         self._close_timeout_s = close_timeout_s
         self._max_message_bytes = max_message_bytes
         # Fail on a malformed URL now (configuration error), not on every reconnect.
-        self.stream_url("00")
+        self.stream_url(None)
         self.description = _describe(url)
 
-    def stream_url(self, after_watermark: str) -> str:
-        """The URL (credentials included) a stream from ``after_watermark`` connects to."""
+    def stream_url(self, after_watermark: str | None) -> str:
+        """The URL (credentials included) a stream from ``after_watermark`` connects to;
+        None: the initial sync's (no ``lastWatermark``/``replicaVersion``)."""
         return stream_url(
             self._url,
             app_id=self._app_id,
             shard_num=self._shard_num,
             publications=self._publications,
             last_watermark=after_watermark,
-            replica_version=self._replica_version,
+            replica_version=self._replica_version if after_watermark is not None else None,
         )
 
     async def start_stream(
@@ -184,6 +192,15 @@ class CustomChangeSource(ChangeSource):
     ) -> CustomChangeStream:
         if backfill_requests:
             raise ChangeSourceError("custom change sources do not support backfill")
+        if self._replica_version is None:
+            raise ChangeSourceError("no replica version: the initial sync comes first")
+        return await self._connect(after_watermark)
+
+    async def start_initial_sync(self) -> CustomChangeStream:
+        """The initial sync's stream: the source sends one transaction (spec/source.md §4.2)."""
+        return await self._connect(None)
+
+    async def _connect(self, after_watermark: str | None) -> CustomChangeStream:
         url, authorization = _split_credentials(self.stream_url(after_watermark))
         try:
             ws = await connect(
@@ -203,9 +220,16 @@ class CustomChangeSource(ChangeSource):
             raise ChangeSourceError(
                 f"cannot connect to custom change source {self.description}: {reason}"
             ) from e
-        log.info("connected to custom change source %s after %s", self.description, after_watermark)
+        log.info(
+            "connected to custom change source %s %s",
+            self.description,
+            f"after {after_watermark}" if after_watermark is not None else "for the initial sync",
+        )
         return CustomChangeStream(
-            ws, ping_interval_s=self._ping_interval_s, description=self.description
+            ws,
+            ping_interval_s=self._ping_interval_s,
+            description=self.description,
+            after_watermark=after_watermark,
         )
 
 
@@ -213,14 +237,21 @@ class CustomChangeStream(ChangeStream):
     """One websocket connection: validated inbound messages and coalesced outbound acks.
 
     Owns two tasks, both cancelled when the stream ends or is closed: the ack writer
-    and the keep-alive loop.
+    and the keep-alive loop. ``after_watermark`` is the ``lastWatermark`` the stream
+    was opened with (None for the initial sync); the watermark rules start from it.
     """
 
     def __init__(
-        self, ws: ClientConnection, *, ping_interval_s: float, description: str = "upstream"
+        self,
+        ws: ClientConnection,
+        *,
+        ping_interval_s: float,
+        description: str = "upstream",
+        after_watermark: str | None = None,
     ) -> None:
         self._ws = ws
         self._description = description
+        self._rules = StreamRules(after_watermark)
         self._ping_interval_s = ping_interval_s
         self._liveness = Liveness()
         self._reader_waiting = False
@@ -262,7 +293,8 @@ class CustomChangeStream(ChangeStream):
         if not isinstance(frame, str):
             raise await self._fail(
                 CloseCode.UNSUPPORTED_DATA,
-                f"binary frame of {len(frame)} bytes; change-source messages are JSON text frames",
+                f"a binary frame of {len(frame)} bytes; change-source messages are JSON "
+                "text frames",
             )
         try:
             value = loads(frame)
@@ -271,11 +303,18 @@ class CustomChangeStream(ChangeStream):
                 CloseCode.INVALID_DATA, f"invalid JSON ({e}) in frame {_preview(frame)}"
             ) from None
         try:
-            return parse_change_source_message(value)
+            message = parse_change_source_message(value)
         except MessageValidationError as e:
             raise await self._fail(
-                CloseCode.INVALID_DATA, f"invalid change-source message: {e}"
+                CloseCode.INVALID_DATA, f"an invalid change-source message: {e}"
             ) from None
+        # Before the service sees the message: the error ends this stream only, and
+        # the service reconnects from what is stored (its own framing checks, e.g.
+        # begin/commit mismatch, would stop it for good).
+        problem = self._rules.check(message)
+        if problem is not None:
+            raise await self._fail(CloseCode.POLICY_VIOLATION, problem)
+        return message
 
     def ack(self, status: list[Any]) -> None:
         if self._finished or self._closed:
@@ -292,7 +331,7 @@ class CustomChangeStream(ChangeStream):
 
     async def _fail(self, code: CloseCode, problem: str) -> ChangeSourceError:
         """Closes the connection because of bad input; returns the error to raise."""
-        error = ChangeSourceError(f"custom change source {self._description} sent a {problem}")
+        error = ChangeSourceError(f"custom change source {self._description} sent {problem}")
         self._failure = error
         await self._finish()
         await self._ws.close(code, close_reason(problem))

@@ -230,6 +230,9 @@ class ChangeLog:
             callback(watermark)
         async with self._db.writer.connect() as conn, conn.begin():
             if self._db.dialect == "postgresql":
+                # One DELETE of a long-unpurged log may outlast the statement timeout
+                # (ZERO_CHANGE_STATEMENT_TIMEOUT_MS); failing it would only let it grow.
+                await conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
                 await _lock_first_row_nowait(conn)
             newest = await conn.scalar(select(func.max(change_log.c.watermark)))
             if newest is None:

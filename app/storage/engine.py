@@ -81,6 +81,9 @@ class ChangeDbOptions:
     pool_timeout_s: float = 30.0
     # The reference lets a change-log transaction idle at most 60 s.
     pg_idle_in_transaction_timeout_ms: int = 60_000
+    # statement_timeout of every session (ZERO_CHANGE_STATEMENT_TIMEOUT_MS); 0: none.
+    # Purges and migrations lift it for their transaction.
+    pg_statement_timeout_ms: int = 0
 
 
 def parse_change_db_url(value: str) -> URL:
@@ -240,6 +243,8 @@ def _create_postgres(url: URL, shard: Shard, opts: ChangeDbOptions) -> ChangeDb:
     options = (
         f"-c idle_in_transaction_session_timeout={int(opts.pg_idle_in_transaction_timeout_ms)}"
     )
+    if opts.pg_statement_timeout_ms > 0:
+        options += f" -c statement_timeout={int(opts.pg_statement_timeout_ms)}"
     engine = create_async_engine(
         url,
         pool_size=opts.pg_pool_size,

@@ -82,6 +82,9 @@ def prepare(connection: Connection, db: ChangeDb) -> None:
     """Locks, creates the schema, and checks the database is ours and not newer."""
     if db.dialect == "postgresql":
         assert db.schema is not None
+        # Waiting for another node's migration, or rewriting a large change log, may
+        # take longer than ZERO_CHANGE_STATEMENT_TIMEOUT_MS bounds a statement.
+        connection.exec_driver_sql("SET LOCAL statement_timeout = 0")
         connection.execute(
             text("SELECT pg_advisory_xact_lock(hashtext(:key))"),
             {"key": f"migrate-schema:{db.schema}"},

@@ -65,7 +65,7 @@ from app.streamer.pump import Pump
 from app.streamer.purge import CLEANUP_DELAY_S, CommitClock, Purger
 from app.streamer.reservations import DEFAULT_MAX_OPEN_S, Reservation, SnapshotReservations
 from app.streamer.rowrun import encode_rows
-from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, Storer
+from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, DEFAULT_GROUP_MAX_ROWS, Storer
 from app.streamer.subscriber import Change, Mode, Subscriber, new_change
 from app.streamer.timers import LoopTimers, Timers
 from app.timeouts import within
@@ -103,6 +103,9 @@ class SubscriberContext:
 class StreamerOptions:
     back_pressure_bytes: int = DEFAULT_BACK_PRESSURE_BYTES
     statement_timeout_s: float = 20.0
+    # Rows a change-log group commit stops at (ZERO_CHANGE_LOG_BATCH_SIZE; whole
+    # transactions only, so one may pass it).
+    change_log_batch_size: int = DEFAULT_GROUP_MAX_ROWS
     drain_timeout_s: float = 30.0
     # Consensus-timeout proportion; negative disables early release.
     timeout_proportion: float = 2.0
@@ -180,6 +183,7 @@ class ChangeStreamerService:
             on_fatal=self._on_fatal,
             back_pressure_bytes=self.options.back_pressure_bytes,
             statement_timeout_s=self.options.statement_timeout_s,
+            group_max_rows=self.options.change_log_batch_size,
             hold_catchups_until_owned=taking_over,
         )
         self._commit_clock = (

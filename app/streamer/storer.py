@@ -66,6 +66,9 @@ CATCHUP_FIRST_BATCH = 64
 # Catch-ups that read the log at the same time (the rest queue for a turn).
 MAX_CONCURRENT_CATCHUPS = 4
 DEFAULT_BACK_PRESSURE_BYTES = 64 * 1024 * 1024
+# A group commit stops taking transactions once it holds this many rows (whole
+# transactions only): large enough that one commit (one fsync) serves many small ones.
+DEFAULT_GROUP_MAX_ROWS = 10_000
 LOW_WATER_FRACTION = 0.8
 
 
@@ -128,7 +131,7 @@ class Storer:
         on_fatal: Callable[[BaseException], None] = lambda _e: None,
         back_pressure_bytes: int = DEFAULT_BACK_PRESSURE_BYTES,
         statement_timeout_s: float = 20.0,
-        group_max_rows: int = 10_000,
+        group_max_rows: int = DEFAULT_GROUP_MAX_ROWS,
         open_tx_flush_bytes: int = 8 * 1024 * 1024,
         catchup_batch: int = CATCHUP_BATCH,
         max_concurrent_catchups: int = MAX_CONCURRENT_CATCHUPS,

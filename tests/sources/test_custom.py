@@ -328,6 +328,38 @@ async def test_an_invalid_message_fails_the_stream_naming_the_problem() -> None:
     assert len(reason.encode()) <= MAX_CLOSE_REASON_BYTES
 
 
+async def test_a_broken_watermark_rule_fails_the_stream_and_closes_with_1008() -> None:
+    error, up = await fails_with(dumps(["commit", {"tag": "commit"}, {"watermark": "0c"}]))
+    assert str(error).endswith(
+        "sent a commit with watermark 0c, not its begin's commitWatermark 0b"
+    )
+    assert up.close_codes == [1008]
+
+
+async def test_the_rules_start_from_the_streams_last_watermark() -> None:
+    async with upstream(send_then_close) as up:
+        stream = await make_source(up.url).start_stream("0b", [])  # TX begins at 0b
+        with pytest.raises(ChangeSourceError, match="not after lastWatermark 0b"):
+            await stream.__anext__()
+        await stream.close()
+
+
+async def test_an_initial_sync_stream_has_no_position() -> None:
+    async with upstream(send_then_close) as up:
+        stream = await make_source(up.url, replica_version=None).start_initial_sync()
+        assert [type(m) for m in await collect(stream)] == [Begin, Data, Commit, Status, Control]
+        await stream.close()
+    query = dict(parse_qsl(urlsplit(up.requests[0].path).query))
+    assert "lastWatermark" not in query
+    assert "replicaVersion" not in query
+
+
+async def test_streaming_needs_a_replica_version() -> None:
+    source = make_source("ws://127.0.0.1:9/changes/v0/stream", replica_version=None)
+    with pytest.raises(ChangeSourceError, match="the initial sync comes first"):
+        await source.start_stream("0a", [])
+
+
 async def test_a_long_problem_is_cut_to_fit_the_close_frame() -> None:
     huge = dumps(["begin", {"tag": "begin", "json": "x" * 500}, {"commitWatermark": "0b"}])
     error, up = await fails_with(huge)

@@ -122,15 +122,21 @@ async def initial_sync(
     replica_file: Path,
     *,
     workers: int = DEFAULT_WORKERS,
+    failover: bool = False,
 ) -> SyncResult:
-    """Builds ``replica_file`` from the upstream; replaces an existing one only on success."""
+    """Builds ``replica_file`` from the upstream; replaces an existing one only on success.
+
+    ``workers`` tables are copied at once, each over a connection of its own
+    (``ZERO_INITIAL_SYNC_TABLE_COPY_WORKERS``); ``failover`` makes the slot a
+    failover slot (``ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER``, Postgres 17+).
+    """
     started = time.monotonic()
     async with await psycopg.AsyncConnection.connect(upstream_url, autocommit=True) as conn:
         internal = await setup_shard(conn, cfg)
         registry = await load_type_registry(conn)
     publications = tuple(sorted(internal.publications))
     log.info("upstream is set up with publications %s", list(publications))
-    slot = await create_replication_slot(upstream_url, cfg)
+    slot = await create_replication_slot(upstream_url, cfg, failover=failover)
     log.info(
         "created replication slot %s at %s (replica version %s)",
         slot.slot_name,

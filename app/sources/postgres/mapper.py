@@ -25,15 +25,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from app import speedups
 from app.protocol import canonical_json
 from app.protocol.canonical_json import JsonPieces
 from app.protocol.lexi import to_lexi
 from app.protocol.messages import Begin, ChangeSourceMessage, Commit, Data
-from app.sources.postgres.ddl import DdlEventProcessor
+from app.sources.postgres.ddl import DdlEventProcessor, relation_object
 from app.sources.postgres.errors import DdlError
+from app.sources.postgres.lag_reporter import MESSAGE_SUFFIX, LagReporter
 from app.sources.postgres.large_rows import (
     LargeValue,
     Values,
@@ -66,7 +67,6 @@ from app.sources.postgres.values import TypeRegistry, parser_kind
 
 __all__ = ["ChangeMapper", "MappingError", "ShardId"]
 
-_IDENTITY: Final = {"d": "default", "n": "nothing", "f": "full", "i": "index"}
 
 # Row changes (Insert, Update, Delete), decoded and mapped in one C call
 # (app/sources/postgres/_pgrows.c, an optional extension; app/speedups.py picks).
@@ -107,6 +107,9 @@ class _Rel:
 
 
 class ChangeMapper:
+    # Set by the source when it runs lag reports: their messages become its statuses.
+    lag_reports: LagReporter | None = None
+
     def __init__(
         self,
         shard: ShardId,
@@ -259,19 +262,13 @@ class ChangeMapper:
         if not self._ddl_detection:
             self._check_unchanged(r)
         key_columns = [c.name for c in r.columns if c.is_key]
-        identity = _IDENTITY.get(r.replica_identity)
-        if identity is None:
-            raise MappingError(f"unknown replica identity {r.replica_identity!r} of {r.name}")
-        oid = r.oid - (1 << 32) if r.oid >= (1 << 31) else r.oid
-        relation_json = {
-            "tag": "relation",
-            "relationOid": oid,
-            "schema": r.namespace,
-            "name": r.name,
-            "rowKey": {"columns": key_columns, "type": identity},
-            "keyColumns": key_columns,
-            "replicaIdentity": identity,
-        }
+        try:
+            relation_json = relation_object(
+                r.oid, r.namespace, r.name, key_columns, r.replica_identity
+            )
+        except DdlError as e:
+            problem = f"unknown replica identity {r.replica_identity!r} of {r.name}"
+            raise MappingError(problem) from e
         names = tuple(c.name for c in r.columns)
         parsers = tuple(self.registry.parser(c.type_oid, json_as_string=True) for c in r.columns)
         key_indexes = tuple(i for i, c in enumerate(r.columns) if c.is_key)
@@ -312,8 +309,13 @@ class ChangeMapper:
         if not m.prefix.startswith(self._prefix):
             return []
         suffix = m.prefix[len(self._prefix) :]
+        if suffix == MESSAGE_SUFFIX:
+            # Without a reporter (disabled) another node's reports are ignored, as in zero.
+            reporter = self.lag_reports
+            status = None if reporter is None else reporter.on_message(m.content, m.lsn)
+            return [] if status is None else [status]
         if suffix not in ("", "/ddl"):
-            return []  # lag reports (we run no reporter) and future kinds
+            return []  # future kinds
         try:
             event = canonical_json.loads(m.content.decode())
         except (UnicodeDecodeError, ValueError) as e:

@@ -42,6 +42,7 @@ __all__ = [
     "drop_old_replicas_and_slots",
     "drop_slot",
     "drop_unclaimed_slots",
+    "failover_refusal",
     "record_initial_sync",
     "slot_health",
     "slot_name_prefix",
@@ -61,6 +62,29 @@ _DROP_ATTEMPTS: Final = 100  # x 20 ms: a terminated walsender normally exits in
 _DROP_RETRY_S: Final = 0.02
 
 _ALPHABET: Final = "abcdefghijklmnopqrstuvwxyz"
+
+# CREATE_REPLICATION_SLOT … (FAILOVER) exists from this server_version_num on.
+FAILOVER_MIN_VERSION: Final = 170000
+
+
+def failover_refusal(server_version: int) -> str | None:
+    """Why a failover slot cannot be made on this server (``server_version_num``), or None.
+
+    zero ignores the setting before Postgres 17; refusing instead tells the operator
+    that the slot they count on for failover would not be one.
+    """
+    if server_version >= FAILOVER_MIN_VERSION:
+        return None
+    return (
+        "ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER needs Postgres 17 or later; the upstream "
+        f"is Postgres {_version_text(server_version)} (unset the setting, or upgrade)"
+    )
+
+
+def _version_text(server_version: int) -> str:
+    if server_version >= 100000:
+        return f"{server_version // 10000}.{server_version % 10000}"
+    return f"{server_version // 10000}.{server_version // 100 % 100}.{server_version % 100}"
 
 
 def slot_pool_suffix(n: int) -> str:
@@ -149,24 +173,29 @@ async def create_replication_slot(
     *,
     replica_id: str | None = None,
     timeout_s: float = CREATE_SLOT_TIMEOUT_S,
+    failover: bool = False,
 ) -> CreatedSlot:
     """Create the shard's next slot (``pgoutput``, exported snapshot) and its replicas row.
 
     ``replica_id`` defaults to the current epoch milliseconds as a string. Retries once
     after granting the REPLICATION attribute (42501) or after deleting replicas of
-    inactive slots (53400, too many slots). The shard must be set up.
+    inactive slots (53400, too many slots). The shard must be set up. ``failover``
+    makes a failover slot (Postgres 17+; :class:`SlotCreationError` before that).
     """
     replica_id = replica_id or str(int(time.time() * 1000))
     conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
     repl: psycopg.AsyncConnection[Any] | None = None
     try:
+        refusal = failover_refusal(conn.info.server_version) if failover else None
+        if refusal is not None:
+            raise SlotCreationError(refusal)
         repl = await psycopg.AsyncConnection.connect(
             conninfo, replication="database", autocommit=True
         )
         for first in (True, False):
             await drop_unclaimed_slots(conn, cfg)
             try:
-                return await _create_claimed_slot(conn, repl, cfg, replica_id, timeout_s)
+                return await _create_claimed_slot(conn, repl, cfg, replica_id, timeout_s, failover)
             except pgerrors.InsufficientPrivilege:
                 if not first:
                     raise
@@ -197,6 +226,7 @@ async def _create_claimed_slot(
     cfg: ShardConfig,
     replica_id: str,
     timeout_s: float,
+    failover: bool,
 ) -> CreatedSlot:
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [_lock_name(cfg)])
@@ -212,7 +242,9 @@ async def _create_claimed_slot(
 
         # This transaction has no xid yet (no writes so far), so the slot's snapshot
         # builder does not wait for it; the replicas row is written only afterwards.
-        slot_name, consistent_point, snapshot_name = await _create_slot(repl, name, timeout_s)
+        slot_name, consistent_point, snapshot_name = await _create_slot(
+            repl, name, timeout_s, failover
+        )
         version = lsn_to_watermark(consistent_point)
         await conn.execute(
             f"INSERT INTO {_replicas(cfg)} (id, slot, version) VALUES (%s, %s, %s)".encode(),
@@ -223,7 +255,7 @@ async def _create_claimed_slot(
 
 
 async def _create_slot(
-    repl: psycopg.AsyncConnection[Any], name: str, timeout_s: float
+    repl: psycopg.AsyncConnection[Any], name: str, timeout_s: float, failover: bool = False
 ) -> tuple[str, str, str]:
     # Replication connections only speak the simple query protocol: no parameters.
     # ``name`` is built from a checked app ID, a number and letters.
@@ -233,6 +265,10 @@ async def _create_slot(
     command = pgsql.SQL("CREATE_REPLICATION_SLOT {} LOGICAL pgoutput").format(
         pgsql.Identifier(name)
     )
+    if failover:
+        # The option list (Postgres 15+ syntax) says what the old form implied: export
+        # the snapshot the copy reads.
+        command = pgsql.SQL("{} (SNAPSHOT 'export', FAILOVER true)").format(command)
     try:
         cur = await within(repl.execute(command), timeout_s)
     except TimeoutError as e:

@@ -39,7 +39,13 @@ import psycopg
 
 from app.protocol.lexi import parse_state_version, to_lexi
 from app.protocol.messages import ChangeSourceMessage, Control, Rollback, Status
-from app.sources.base import BackfillRequest, ChangeSource, ChangeSourceError, ChangeStream
+from app.sources.base import (
+    BackfillRequest,
+    ChangeSource,
+    ChangeSourceError,
+    ChangeStream,
+    SourceMetric,
+)
 from app.sources.postgres.backfill_stream import BackfillNames, stream_backfill
 from app.sources.postgres.backfills import BackfillManager
 from app.sources.postgres.connection import (
@@ -49,6 +55,7 @@ from app.sources.postgres.connection import (
     ReplicationStreamEnded,
     StartReplicationError,
 )
+from app.sources.postgres.lag_reporter import LagReporter, PgEmitter, message_prefix
 from app.sources.postgres.mapper import ChangeMapper, MappingError, ShardId
 from app.sources.postgres.pgoutput import (
     LogicalMessage,
@@ -63,7 +70,7 @@ from app.sources.postgres.pgoutput import (
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import drop_old_replicas_and_slots, slot_name_prefix
 from app.sources.postgres.standby import StandbyAcker
-from app.sources.postgres.stats import upstream_stats
+from app.sources.postgres.stats import SlotWalProbe, upstream_stats
 from app.sources.postgres.values import TypeRegistry, load_type_registry
 from app.storage.errors import AbortError
 from app.timeouts import within
@@ -110,14 +117,77 @@ class PostgresSourceOptions:
 class PostgresChangeSource(ChangeSource):
     upstream_type = "pg"  # /statz upstream group
 
-    def __init__(self, upstream_url: str, options: PostgresSourceOptions) -> None:
+    def __init__(
+        self, upstream_url: str, options: PostgresSourceOptions, *, lag_report_interval_ms: int = 0
+    ) -> None:
+        """``lag_report_interval_ms`` > 0 sends replication lag reports that often
+        (``ZERO_REPLICATION_LAG_REPORT_INTERVAL_MS``, lag_reporter.py); 0 or less: none."""
         self._url = upstream_url
         self._options = options
         self._registry: TypeRegistry | None = None
+        self._lag_reporter = (
+            LagReporter(
+                message_prefix(options.app_id, options.shard_num),
+                lag_report_interval_ms,
+                PgEmitter(upstream_url),
+            )
+            if lag_report_interval_ms > 0
+            else None
+        )
+        # The slots' WAL for /metrics, read on scrape (cached, bounded: stats.py).
+        self._slot_wal = SlotWalProbe(upstream_url, ShardConfig(options.app_id, options.shard_num))
 
     async def stats(self) -> dict[str, Any]:
         opts = self._options
-        return await upstream_stats(self._url, ShardConfig(opts.app_id, opts.shard_num))
+        stats = await upstream_stats(self._url, ShardConfig(opts.app_id, opts.shard_num))
+        stats["slot"] = opts.slot  # which of ``slots`` this replica streams from
+        reporter = self._lag_reporter
+        stats["lagReports"] = reporter.stats() if reporter is not None else None
+        return stats
+
+    async def metrics(self) -> list[SourceMetric]:
+        slots = await self._slot_wal.read()
+        out: list[SourceMetric] = []
+        if slots is not None:
+            out += [
+                SourceMetric(
+                    "changestreamer_slot_retained_wal_bytes",
+                    "gauge",
+                    "WAL bytes Postgres keeps for the slot: current LSN minus its restart_lsn.",
+                    [
+                        ({"slot": s.name}, s.retained_wal_bytes)
+                        for s in slots
+                        if s.retained_wal_bytes is not None
+                    ],
+                ),
+                SourceMetric(
+                    "changestreamer_slot_unconfirmed_wal_bytes",
+                    "gauge",
+                    "WAL bytes past the slot's confirmed_flush_lsn (not yet acked by its reader).",
+                    [
+                        ({"slot": s.name}, s.unconfirmed_wal_bytes)
+                        for s in slots
+                        if s.unconfirmed_wal_bytes is not None
+                    ],
+                ),
+            ]
+        if self._lag_reporter is not None:
+            out.append(
+                SourceMetric(
+                    "changestreamer_lag_report_retries_total",
+                    "counter",
+                    "Lag reports sent again because the previous one did not arrive in time.",
+                    [({}, self._lag_reporter.retries)],
+                )
+            )
+        return out
+
+    def start_lag_reporter(self) -> dict[str, Any] | None:
+        return None if self._lag_reporter is None else self._lag_reporter.start()
+
+    async def stop(self) -> None:
+        if self._lag_reporter is not None:
+            await self._lag_reporter.stop()
 
     async def start_stream(
         self, after_watermark: str, backfill_requests: list[BackfillRequest]
@@ -142,6 +212,7 @@ class PostgresChangeSource(ChangeSource):
             ddl_detection=opts.ddl_detection,
             initial_schema=opts.initial_schema,
         )
+        mapper.lag_reports = self._lag_reporter
         shard = ShardConfig(opts.app_id, opts.shard_num)
         names = BackfillNames(slot_name_prefix(shard), f"{opts.app_id}/{opts.shard_num}/backfill")
         backfills = BackfillManager(
@@ -371,6 +442,13 @@ class PostgresChangeStream(ChangeStream):
             # Outside any transaction: the stream is past this LSN (a backfill
             # waiting to complete may go now).
             backfills.on_position(to_lexi(message.lsn))
+        last = out[-1] if out else None
+        if last is not None and last.kind == "commit" and self._mapper.lag_reports is not None:
+            # Past this commit, a lag report before it that never came counts as
+            # received (lag_reporter.py: messages skipped before Postgres 17).
+            passed = self._mapper.lag_reports.passed(last.watermark)
+            if passed is not None:
+                out.append(passed)
         return out
 
     async def _swallow(self) -> None:

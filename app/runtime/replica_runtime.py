@@ -1,0 +1,103 @@
+"""A service over an upstream with a replica file of its own (Postgres or custom).
+
+Both upstreams sync ``ZERO_REPLICA_FILE`` first and then stream; the service's
+change log is what keeps that file current afterwards: a replica follower (a child
+process reading the change log, :mod:`app.runtime.replica_follower`) applies it,
+so backups copy a current file and ``changestreamer replicate`` can start from one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.config import Settings
+from app.replica.schema import ReplicaState
+from app.runtime.options import streamer_options, task_id
+from app.runtime.replica_follower import ReplicaFollower
+from app.sources.base import ChangeSource
+from app.storage import AutoResetSignal, ChangeDb, Replication, SubscriptionState
+from app.storage.engine import Shard
+from app.streamer.service import ChangeStreamerService
+
+__all__ = ["ReplicaRuntime", "UpstreamSetupError", "service_over_replica"]
+
+
+class UpstreamSetupError(Exception):
+    """The upstream or the replica cannot be used; the message says what to do."""
+
+
+@dataclass(slots=True)
+class ReplicaRuntime:
+    service: ChangeStreamerService
+    replica: ReplicaState
+    replica_file: Path
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def start_backup(self, change_db_url: str, shard: Shard, *, log_level: str = "warning") -> None:
+        """Keeps the replica file current from the change log in a child process, once
+        the service owns the log; it stops with the service."""
+        follower = ReplicaFollower(self.replica_file, change_db_url, shard, log_level=log_level)
+        service = self.service
+        service.durable_listeners.append(follower.notify)
+
+        async def follow() -> None:
+            owning = asyncio.ensure_future(service.owning.wait())
+            stopped = asyncio.ensure_future(service.stopped.wait())
+            await asyncio.wait({owning, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            owning.cancel()
+            if not stopped.done():
+                run = asyncio.ensure_future(follower.run())
+                await asyncio.wait({run, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                await follower.stop()
+                if await run:
+                    # As a backup subscriber that is behind the log would: reset.
+                    service.fail(
+                        AutoResetSignal(
+                            f"the change log cannot bring replica {self.replica_file} forward"
+                        )
+                    )
+            stopped.cancel()
+
+        task = asyncio.create_task(follow(), name="replica-follower")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait_closed(self) -> None:
+        """Returns once what ``start_backup`` started has stopped (after the service)."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def service_over_replica(
+    settings: Settings,
+    db: ChangeDb,
+    source: ChangeSource,
+    replica: ReplicaState,
+    publications: Sequence[str],
+    *,
+    address: str,
+) -> ChangeStreamerService:
+    """The service over ``source``, its change DB tied to ``replica`` first (kept, or
+    reset when it belongs to another replica: ``ensureReplicationConfig``)."""
+    replication = Replication(db)
+    await replication.ensure_config(
+        SubscriptionState(
+            replica.replica_version, tuple(sorted(publications)), replica.state_version
+        ),
+        auto_reset=settings.auto_reset,
+    )
+    durable = await replication.state()
+    assert durable is not None
+    task = task_id(settings)
+    return ChangeStreamerService(
+        db=db,
+        source=source,
+        task_id=task,
+        address=address,
+        replica_version=replica.replica_version,
+        durable_watermark=durable.last_watermark,
+        options=streamer_options(settings),
+        taking_over=durable.owner not in (None, "", task),
+    )
