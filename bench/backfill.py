@@ -32,7 +32,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,36 +78,61 @@ def seed(rows: int) -> None:
         conn.execute(b"VACUUM ANALYZE bf.big")
 
 
-@dataclass
-class Paced:
-    """1-row transactions at ``rate``/s in a thread, until stopped."""
+class OpenLoad:
+    """1-row transactions started at ``rate``/s whatever their commits take (an open
+    loop: up to ``CONNECTIONS`` in flight), synchronously committed, in a thread of
+    its own; a closed loop on one connection would measure Postgres's fsync time,
+    not a rate."""
 
-    rate: float
-    writer: Writer = field(default_factory=Writer)
-    stop: threading.Event = field(default_factory=threading.Event)
-    sent: int = 0
-    thread: threading.Thread | None = None
+    CONNECTIONS = 8
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.sent = 0
+        self._stop = threading.Event()
+        self._writer = Writer()  # its _tx_sql numbers the rows; its connection ends the run
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     def start(self) -> None:
-        self.writer._conn.execute(b"SET synchronous_commit = on")
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        self._thread.start()
 
-    def _run(self) -> None:
+    async def _run(self) -> None:
+        idle: asyncio.Queue[psycopg.AsyncConnection[Any]] = asyncio.Queue()
+        conns = [
+            await psycopg.AsyncConnection.connect(f"{PG}/{UPSTREAM_DB}", autocommit=True)
+            for _ in range(self.CONNECTIONS)
+        ]
+        for conn in conns:
+            idle.put_nowait(conn)
+
+        async def one(conn: psycopg.AsyncConnection[Any], sql: bytes) -> None:
+            try:
+                await conn.execute(sql)
+            finally:
+                idle.put_nowait(conn)
+
+        tasks: set[asyncio.Task[None]] = set()
         t0 = time.monotonic()
-        while not self.stop.is_set():
-            delay = t0 + self.sent / self.rate - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            self.writer._conn.execute(self.writer._tx_sql(1).encode())
-            self.sent += 1
+        try:
+            while not self._stop.is_set():
+                delay = t0 + self.sent / self.rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                conn = await idle.get()
+                task = asyncio.create_task(one(conn, self._writer._tx_sql(1).encode()))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                self.sent += 1
+            await asyncio.gather(*tasks)
+        finally:
+            for conn in conns:
+                await conn.close()
 
     def finish(self, sentinel: str) -> None:
-        self.stop.set()
-        assert self.thread is not None
-        self.thread.join(30)
-        self.writer.sentinel(sentinel)
-        self.writer.close()
+        self._stop.set()
+        self._thread.join(30)
+        self._writer.sentinel(sentinel)
+        self._writer.close()
 
 
 def quantiles(values: list[float]) -> dict[str, float]:
@@ -136,7 +160,7 @@ def run_impl(impl: str, rows: int, rate: float, warmup_s: float) -> dict[str, An
             service.ws_url, 1, replica_version, replica_version, extra_args=("--watch-backfill",)
         )
         expect(subs.wait_event(SUBSCRIBER_READY_TIMEOUT_S), "ready")
-        load = Paced(rate)
+        load = OpenLoad(rate)
         load.start()
         time.sleep(warmup_s)
         with psycopg.connect(f"{PG}/{UPSTREAM_DB}", autocommit=True) as conn:
