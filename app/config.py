@@ -17,7 +17,6 @@ from __future__ import annotations
 import difflib
 import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -36,6 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from app import speedups as speedups_module
+from app.logs import redact
 from app.protocol.canonical_json import loads
 from app.storage.engine import Shard, parse_change_db_url
 from app.storage.errors import ChangeDbConfigError
@@ -75,7 +75,7 @@ class Settings(BaseModel):
         None, validation_alias=_env("ZERO_CHANGE_STREAMER_ADDRESS")
     )
     log_level: str = Field("info", validation_alias=_env("ZERO_LOG_LEVEL"))
-    # Read by nobody yet but litestream's configuration (app/backup).
+    # Our lines (app/logs.py) and litestream's (app/backup).
     log_format: Literal["text", "json"] = Field("text", validation_alias=_env("ZERO_LOG_FORMAT"))
     upstream_db: str | None = Field(None, validation_alias=_env("ZERO_UPSTREAM_DB"))
     # pg: ZERO_UPSTREAM_DB is a Postgres URL; custom: a custom change source's ws:// URL
@@ -372,7 +372,7 @@ class Settings(BaseModel):
             raise PydanticCustomError(
                 _WHOLE_LINE,
                 "ZERO_LITESTREAM_BACKUP_URL must be a file:// or s3:// URL (got {got})",
-                {"got": repr(_redact(value))},
+                {"got": repr(redact(value))},
             )
         return value
 
@@ -541,8 +541,3 @@ def _stem(name: str) -> str:
         if name.startswith(prefix):
             return name[len(prefix) :]
     return name
-
-
-def _redact(text: str) -> str:
-    """A URL for messages: any password replaced by ***."""
-    return re.sub(r"://([^:/@]+):[^@/]*@", r"://\1:***@", text)

@@ -63,7 +63,14 @@ REPLICA_VERSION = "01"
 ROWS_PER_TX = 5
 
 
-def build_transactions(count: int) -> list[tuple[str, list[ChangeSourceMessage]]]:
+def build_transactions(
+    count: int, *, commit_times: bool = False
+) -> list[tuple[str, list[ChangeSourceMessage]]]:
+    """``count`` transactions; with ``commit_times`` their commits carry an upstream
+    ``commitTimeMs``, as Postgres' do (the service then times each one to its forward)."""
+    commit: dict[str, Any] = {"tag": "commit"}
+    if commit_times:
+        commit["commitTimeMs"] = 1764426733675
     out = []
     for n in range(2, count + 2):
         w = to_lexi(n)
@@ -89,7 +96,7 @@ def build_transactions(count: int) -> list[tuple[str, list[ChangeSourceMessage]]
                     },
                 ]
             )
-        msgs.append(["commit", {"tag": "commit"}, {"watermark": w}])
+        msgs.append(["commit", commit, {"watermark": w}])
         out.append((w, [parse_change_source_message(m) for m in msgs]))
     return out
 
@@ -371,6 +378,9 @@ async def main() -> None:
     parser.add_argument("--ks", default="1,4,16", help="subscriber counts to run")
     parser.add_argument("--frames", default="msg,batch", help="ws framings: msg (v6), batch (v7)")
     parser.add_argument(
+        "--commit-times", action="store_true", help="commits carry commitTimeMs (as Postgres')"
+    )
+    parser.add_argument(
         "--sqlite-writer",
         default="process",
         choices=["process", "thread"],
@@ -378,7 +388,7 @@ async def main() -> None:
     )
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
-    txs = build_transactions(args.changes // ROWS_PER_TX)
+    txs = build_transactions(args.changes // ROWS_PER_TX, commit_times=args.commit_times)
     # As `changestreamer serve` does after start-up; this also takes the prebuilt
     # transactions (over a million objects) out of the collector's full passes,
     # which had cost up to ~0.9 s a run: that was the benchmark, not the service.
@@ -413,7 +423,12 @@ async def main() -> None:
                 )
     if "latency" in scenarios:
         n = int(args.rate * args.latency_seconds) // ROWS_PER_TX
-        r = await run(build_transactions(n), 1, rate=args.rate, writer=args.sqlite_writer)
+        r = await run(
+            build_transactions(n, commit_times=args.commit_times),
+            1,
+            rate=args.rate,
+            writer=args.sqlite_writer,
+        )
         print(
             f"latency at {args.rate:,.0f} changes/s, 1 subscriber: "
             f"p50 {r['p50 ms']:.2f} ms, p99 {r['p99 ms']:.2f} ms",

@@ -114,13 +114,17 @@ def build_wheel(dockerfile: str, tmp: Path) -> Path:
 
 
 def check_wheel(wheel: Path) -> None:
-    """Tagged for this platform, carrying the five C helpers and the migrations."""
+    """Tagged for this platform, carrying the five C helpers, the migrations and the
+    dashboard's static files."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     assert re.search(r"-cp3\d+-cp3\d+-linux_\w+\.whl$", wheel.name), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
     assert sorted(n for n in names if n.endswith(".so")) == sorted(h + suffix for h in HELPERS)
     assert "migrations/script.py.mako" in names
     assert "migrations/versions/0001_reference_schema_v6.py" in names
+    # /dashboard's page and its vendored chart library (package data).
+    for name in ("dashboard.html", "dashboard.js", "uPlot.iife.min.js", "uPlot.LICENSE"):
+        assert f"app/server/static/{name}" in names
     assert not any(n.startswith(("bench/", "tests/")) for n in names)
 
 

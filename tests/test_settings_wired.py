@@ -16,7 +16,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from app.cli import discovery_address, open_change_db
+from app.commands.migrate import open_change_db
+from app.commands.serve import discovery_address
 from app.config import Settings, SettingsError, load_settings
 from app.protocol.canonical_json import dumps
 from app.protocol.codec import reconstruct

@@ -15,12 +15,14 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from app.backup.config import LitestreamOptions
 from app.backup.process import run_litestream, write_config
+from app.progress import Job, ProgressView
 from app.replica.errors import ReplicaError
 from app.replica.schema import ReplicaState, read_replica_state, remove_replica_files
 
@@ -32,6 +34,7 @@ ATTEMPTS: Final = 3
 RETRY_DELAY_S: Final = 5.0
 # One restore's time limit; a large replica over a slow link needs long.
 RESTORE_TIMEOUT_S: Final = 6 * 3600.0
+PROGRESS_POLL_S: Final = 0.5
 
 
 class RestoreError(Exception):
@@ -60,7 +63,8 @@ async def restore_replica(
     for attempt in range(1, attempts + 1):
         started = time.monotonic()
         try:
-            found = await _restore_once(options, staging, timeout_s)
+            async with _restore_progress(target, staging):
+                found = await _restore_once(options, staging, timeout_s)
         except RestoreError as e:
             if attempt == attempts:
                 raise
@@ -156,3 +160,26 @@ def _remove_leftovers(staging: Path) -> None:
     for name in (f"{staging}.tmp", f"{staging}.tmp-wal", f"{staging}.tmp-shm"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(name)
+
+
+@contextlib.asynccontextmanager
+async def _restore_progress(target: Path, staging: Path) -> AsyncIterator[None]:
+    """Shows a restore that takes a while (app/progress.py): litestream reports
+    nothing, so the job is the staging file's size as it grows (its total is
+    unknown: the backup's size is not listed cheaply on every storage)."""
+    job = Job(f"restore of {target.name}", unit="bytes")
+
+    async def watch() -> None:
+        while True:
+            with contextlib.suppress(OSError):
+                job.done = staging.stat().st_size  # noqa: ASYNC240 - one stat per tick
+            await asyncio.sleep(PROGRESS_POLL_S)
+
+    watcher = asyncio.create_task(watch(), name="restore-progress")
+    try:
+        async with ProgressView([job]):
+            yield
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher

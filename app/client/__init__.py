@@ -13,7 +13,8 @@ Modules, one idea each:
 * :mod:`~app.client.discovery` — the streamer's address from the change DB;
 * :mod:`~app.client.errors` — the exceptions;
 * :mod:`~app.client.urls` — base URI handling;
-* :mod:`~app.client.render`, :mod:`~app.client.tail`, :mod:`~app.client.status` — the commands.
+* :mod:`~app.client.render`, :mod:`~app.client.tail`, :mod:`~app.client.status` — the commands
+  (:mod:`~app.client.terminal`: their tables on a terminal; their options: ``app/cli.py``).
 """
 
 from app.client.client import ChangeStreamerClient
@@ -33,9 +34,9 @@ from app.client.errors import (
 )
 from app.client.reservation import ReservationFollowup, SnapshotFollowup, SnapshotStatus
 from app.client.resume import ReconnectPolicy, ResumingSubscription
-from app.client.status import add_status_arguments, run_status, status
+from app.client.status import run_status, status
 from app.client.subscription import Subscription, SubscriptionContext, SubscriptionMessage
-from app.client.tail import add_tail_arguments, run_tail, tail
+from app.client.tail import run_tail, tail
 from app.client.v7 import V7Connection, V7Message, V7ReservationFollowup
 
 __all__ = [
@@ -62,8 +63,6 @@ __all__ = [
     "V7ReservationFollowup",
     "WatermarkTooOldError",
     "WrongReplicaVersionError",
-    "add_status_arguments",
-    "add_tail_arguments",
     "discover",
     "run_status",
     "run_tail",

@@ -15,18 +15,35 @@ transaction's commit watermark::
 ``status`` messages are not shown in the readable form. The JSON form prints
 every message, status included, as its canonical JSON tuple on one line
 (``["begin",{"tag":"begin"},{"commitWatermark":"02"}]``).
+
+:func:`message_printer` picks the printer: on a terminal the readable form is
+:mod:`app.client.terminal`'s table instead (same rows, in columns and colour);
+through a pipe or into a file, and for ``--json``, it is the text above, unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from app.client.subscription import SubscriptionMessage
 from app.protocol.canonical_json import dumps
 from app.protocol.downstream import DownstreamStatus
 from app.protocol.messages import Begin, Commit, Data, Rollback
 
-__all__ = ["MessagePrinter", "describe_change"]
+__all__ = ["MessagePrinter", "Printer", "change_parts", "describe_change", "message_printer"]
+
+
+class Printer(Protocol):
+    def write(self, message: SubscriptionMessage) -> None: ...
+
+
+def message_printer(out: TextIO, *, json_output: bool = False) -> Printer:
+    """The table on a terminal (readable form only), the text lines anywhere else."""
+    if json_output or not out.isatty():
+        return MessagePrinter(out, json_output=json_output)
+    from app.client.terminal import TableMessagePrinter  # rich: loaded for terminals only
+
+    return TableMessagePrinter(out)
 
 
 def _table(relation: Any) -> str:
@@ -35,23 +52,28 @@ def _table(relation: Any) -> str:
     return dumps(relation)
 
 
-def describe_change(body: dict[str, Any]) -> str:
-    """``<tag> <details>`` of a data message's body."""
+def change_parts(body: dict[str, Any]) -> tuple[str, str, str]:
+    """A data message's body as (tag, the tables it touches, the rest): ``("update",
+    "public.issues", '{"id":"a"} key {"id":"b"}')``; no tables for schema changes."""
     tag = body.get("tag")
     if tag == "insert":
-        return f"insert {_table(body['relation'])} {dumps(body['new'])}"
+        return "insert", _table(body["relation"]), dumps(body["new"])
     if tag == "update":
-        text = f"update {_table(body['relation'])} {dumps(body['new'])}"
         key = body.get("key")
-        return text if key is None else f"{text} key {dumps(key)}"
+        rest = dumps(body["new"]) if key is None else f"{dumps(body['new'])} key {dumps(key)}"
+        return "update", _table(body["relation"]), rest
     if tag == "delete":
-        return f"delete {_table(body['relation'])} {dumps(body['key'])}"
+        return "delete", _table(body["relation"]), dumps(body["key"])
     if tag == "truncate":
-        return "truncate " + ", ".join(_table(r) for r in body["relations"])
+        return "truncate", ", ".join(_table(r) for r in body["relations"]), ""
     if tag == "backfill":
-        return f"backfill {_table(body['relation'])} {len(body['rowValues'])} rows"
-    rest = {k: v for k, v in body.items() if k != "tag"}
-    return f"{tag} {dumps(rest)}"
+        return "backfill", _table(body["relation"]), f"{len(body['rowValues'])} rows"
+    return str(tag), "", dumps({k: v for k, v in body.items() if k != "tag"})
+
+
+def describe_change(body: dict[str, Any]) -> str:
+    """``<tag> <tables> <details>`` of a data message's body."""
+    return " ".join(part for part in change_parts(body) if part)
 
 
 class MessagePrinter:

@@ -12,8 +12,12 @@ mode). Output, one section per stats group::
       lastWatermark: 0c3f2b
       subscribers: [{"id":"serving-replicator-87",...}]
 
+On a terminal each group is a table instead (:mod:`app.client.terminal`); through a
+pipe or into a file the output is the text above.
+
 Exit codes: 0 printed; 1 refused (401), another HTTP error or no connection,
-each reported as one line on stderr; 2 a malformed URL.
+each reported as one line on stderr; 2 a malformed URL. The options are parsed by
+``app/cli.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import argparse
 import asyncio
 import base64
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
@@ -31,7 +34,7 @@ from typing import Any, TextIO
 from app.client.urls import parse_base_url
 from app.protocol.canonical_json import dumps, loads
 
-__all__ = ["add_status_arguments", "format_statz", "run_status", "status"]
+__all__ = ["format_statz", "run_status", "show_status", "status"]
 
 ADMIN_USER = "admin"
 _TIMEOUT_S = 10.0
@@ -44,7 +47,7 @@ class _HTTPFailure(Exception):
 
 
 def _fetch(url: str, password: str | None) -> bytes:
-    """GET ``url`` (blocking; run in a thread). Proxies are not used."""
+    """GET ``url``. Proxies are not used."""
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     if password is not None:
         token = base64.b64encode(f"{ADMIN_USER}:{password}".encode()).decode("ascii")
@@ -83,7 +86,17 @@ def format_statz(stats: Any) -> str:
 
 
 async def status(url: str, *, password: str | None, out: TextIO, err: TextIO | None = None) -> int:
-    """Prints the server's ``/statz`` groups; returns the exit code (see module docstring)."""
+    """:func:`show_status` in a thread, for callers on an event loop."""
+    return await asyncio.to_thread(show_status, url, password=password, out=out, err=err)
+
+
+def show_status(url: str, *, password: str | None, out: TextIO, err: TextIO | None = None) -> int:
+    """Prints the server's ``/statz`` groups; returns the exit code (see module docstring).
+
+    Blocking, on purpose: the command runs it in the main thread, where a Ctrl-C
+    interrupts even a server that never answers (a worker thread would have to be
+    waited for).
+    """
     errors = err if err is not None else sys.stderr
     try:
         statz_url = parse_base_url(url).http("/statz", {"format": "json"})
@@ -91,7 +104,7 @@ async def status(url: str, *, password: str | None, out: TextIO, err: TextIO | N
         errors.write(f"changestreamer status: {e}\n")
         return 2
     try:
-        body = await asyncio.to_thread(_fetch, statz_url, password)
+        body = _fetch(statz_url, password)
     except _HTTPFailure as e:
         if e.code == 401:
             hint = (
@@ -108,33 +121,20 @@ async def status(url: str, *, password: str | None, out: TextIO, err: TextIO | N
     except ValueError:
         errors.write("changestreamer status: /statz did not return JSON\n")
         return 1
-    out.write(format_statz(stats))
+    if out.isatty():
+        from app.client.terminal import print_statz  # rich: loaded for terminals only
+
+        print_statz(stats, out)
+    else:
+        out.write(format_statz(stats))
     out.flush()
     return 0
-
-
-def add_status_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``status`` options; pair with :func:`run_status`."""
-    parser.add_argument(
-        "url",
-        nargs="?",
-        default=os.environ.get("ZERO_CHANGE_STREAMER_URI") or "http://localhost:4849",
-        help="server URI, http(s):// or ws(s):// (default ZERO_CHANGE_STREAMER_URI or "
-        "http://localhost:4849)",
-    )
-    parser.add_argument(
-        "--password",
-        default=os.environ.get("ZERO_ADMIN_PASSWORD"),
-        help="admin password (default ZERO_ADMIN_PASSWORD)",
-    )
 
 
 def run_status(
     args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None
 ) -> int:
-    """Runs ``status`` for parsed :func:`add_status_arguments` options; the exit code."""
-    return asyncio.run(
-        status(
-            args.url, password=args.password, out=out if out is not None else sys.stdout, err=err
-        )
+    """Runs ``status`` for its parsed options (``app/cli.py``); the exit code."""
+    return show_status(
+        args.url, password=args.password, out=out if out is not None else sys.stdout, err=err
     )

@@ -1,7 +1,8 @@
 """``changestreamer tail``: follow a change-streamer's transactions on stdout.
 
 Subscribes (mode ``serving``, reconnecting after drops; see
-:mod:`app.client.resume`) and prints each message (:mod:`app.client.render`).
+:mod:`app.client.resume`) and prints each message (:mod:`app.client.render`: lines
+of text, or a table on a terminal). The options are parsed by ``app/cli.py``.
 
 * ``--from WATERMARK`` is the subscription watermark: output starts with the
   first transaction *after* it. It must be a stored commit watermark or the
@@ -30,14 +31,12 @@ from typing import TextIO
 
 from app.client.client import ChangeStreamerClient
 from app.client.errors import ClientError
-from app.client.render import MessagePrinter
+from app.client.render import message_printer
 from app.client.resume import ReconnectPolicy
 from app.client.subscription import SubscriptionContext
 from app.protocol.messages import Commit
 
-__all__ = ["DEFAULT_URL", "add_tail_arguments", "run_tail", "tail"]
-
-DEFAULT_URL = "ws://localhost:4849"
+__all__ = ["run_tail", "tail"]
 
 
 async def tail(
@@ -64,7 +63,7 @@ async def tail(
         errors.write(f"changestreamer tail: {e}\n")
         return 2
     name = subscriber_id or f"tail-{os.getpid()}"
-    printer = MessagePrinter(out, json_output=json_output)
+    printer = message_printer(out, json_output=json_output)
     commits = 0
     try:
         if replica_version is None:
@@ -86,72 +85,18 @@ async def tail(
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
-def add_tail_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``tail`` options; pair with :func:`run_tail`."""
-    parser.add_argument(
-        "url",
-        nargs="?",
-        default=os.environ.get("ZERO_CHANGE_STREAMER_URI") or DEFAULT_URL,
-        help="change-streamer URI, ws:// or http(s):// (default ZERO_CHANGE_STREAMER_URI "
-        f"or {DEFAULT_URL})",
-    )
-    parser.add_argument(
-        "--from",
-        dest="watermark",
-        metavar="WATERMARK",
-        help="start after this commit watermark (default: the replica version, i.e. the "
-        "whole change log)",
-    )
-    parser.add_argument(
-        "--replica-version", help="the server's replica version (default: ask the server)"
-    )
-    parser.add_argument(
-        "--json",
-        dest="json_output",
-        action="store_true",
-        help="print each message as one line of canonical JSON",
-    )
-    parser.add_argument(
-        "--limit", type=_positive_int, metavar="N", help="exit after N transactions"
-    )
-    parser.add_argument("--id", dest="subscriber_id", help="subscriber id (default tail-<pid>)")
-    parser.add_argument(
-        "--give-up-after",
-        type=_seconds,
-        metavar="SECONDS",
-        help="exit when reconnecting keeps failing this long (default: retry forever)",
-    )
-
-
 def run_tail(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Runs ``tail`` for parsed :func:`add_tail_arguments` options; the exit code."""
-    try:
-        return asyncio.run(
-            tail(
-                args.url,
-                replica_version=args.replica_version,
-                watermark=args.watermark,
-                json_output=args.json_output,
-                out=out if out is not None else sys.stdout,
-                limit=args.limit,
-                err=err,
-                subscriber_id=args.subscriber_id,
-                give_up_after_s=args.give_up_after,
-            )
+    """Runs ``tail`` for its parsed options (``app/cli.py``); the exit code."""
+    return asyncio.run(
+        tail(
+            args.url,
+            replica_version=args.replica_version,
+            watermark=args.watermark,
+            json_output=args.json_output,
+            out=out if out is not None else sys.stdout,
+            limit=args.limit,
+            err=err,
+            subscriber_id=args.subscriber_id,
+            give_up_after_s=args.give_up_after,
         )
-    except KeyboardInterrupt:
-        return 130
+    )

@@ -1,110 +1,108 @@
 """``changestreamer replicate URL --replica FILE``: a standalone serving replica.
 
-Follows a change-streamer into an existing replica file (a copy of the service's
-replica, e.g. ``sqlite3 replica.db ".backup copy.db"``, or one restored from a backup):
-subscribes at the file's state version, applies every transaction, acks after
-applying, and reconnects with backoff until interrupted. A replica the change-streamer
-can no longer serve (another replica version, or older than its change log) ends the
-command with exit code 3 and says so: it must be copied or restored again.
+Follows a change-streamer into a replica file: subscribes at the file's state
+version, applies every transaction, acks after applying, and reconnects with backoff
+until stopped (Ctrl-C: exit status 130; SIGTERM: 0). The options are parsed by
+``app/cli.py``.
+
+A replica file that does not exist yet is restored from the change-streamer's backup
+first, as a zero view-syncer starts: a snapshot reservation on the change-streamer
+(v6 ``/snapshot``; v7 ``reserve-snapshot`` on the ``/subscribe`` socket that the
+subscription then continues on) keeps its change log from being purged past the
+backup while litestream restores it (``app/backup/restore.py``, with the
+``ZERO_LITESTREAM_*`` settings ``changestreamer restore`` reads; ``--backup-url``
+names the same backup as this host reaches it), and the first subscription, as the
+reserving task, ends the reservation. A change-streamer without backups refuses the
+reservation; the command then stops with one line naming the other ways to a replica
+file (a restore from a backup, a copy of the service's replica), exit status 2.
+
+A replica the change-streamer can no longer serve (another replica version, or older
+than its change log) ends the command with exit status 3 and says so: it must be
+copied or restored again. A change the replica cannot apply, or a restore that
+failed, is exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
-from app.client import ChangeStreamerClient
+from app.backup.process import check_version
+from app.backup.restore import RestoreError, restore_replica
+from app.client import ChangeStreamerClient, ClientError, ProtocolError, SnapshotFollowup
+from app.config import SettingsError, load_settings
+from app.logs import configure_logging
 from app.replica.errors import ReplicaError, ResyncRequiredError
 from app.replica.runner import run_replicator
+from app.runtime.backups import BackupConfigError, litestream_options
 
-__all__ = ["add_replicate_arguments", "run_replicate"]
+__all__ = ["run_replicate"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_URL = "ws://127.0.0.1:4849"
 
+class _Stop(Exception):
+    """The command ends here: one line on stderr, and an exit status."""
 
-def add_replicate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "url",
-        nargs="?",
-        default=os.environ.get("ZERO_CHANGE_STREAMER_URI") or DEFAULT_URL,
-        help=f"change-streamer URI (default ZERO_CHANGE_STREAMER_URI or {DEFAULT_URL})",
-    )
-    parser.add_argument(
-        "--replica", required=True, type=Path, help="the replica file to keep current"
-    )
-    parser.add_argument(
-        "--id", dest="subscriber_id", help="subscriber id (default replicate-<pid>)"
-    )
-    parser.add_argument(
-        "--task-id",
-        help="the task whose snapshot reservation this subscription ends (after a restore)",
-    )
-    parser.add_argument(
-        "--protocol-version",
-        type=int,
-        choices=(6, 7),
-        default=6,
-        help="6: /replication/v6/changes, one message a frame; 7: /subscribe, batch frames",
-    )
-    parser.add_argument(
-        "--log-level",
-        choices=("debug", "info", "warning", "error"),
-        default="info",
-        help="default info",
-    )
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def run_replicate(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level, args.log_format)
     replica: Path = args.replica
-    if not replica.exists():
-        print(
-            f"changestreamer replicate: {replica} does not exist; start from a copy of the "
-            "service's replica file or a restored backup",
-            file=sys.stderr,
-        )
-        return 2
     try:
-        asyncio.run(
-            _replicate(
-                args.url,
-                replica,
-                args.subscriber_id or f"replicate-{os.getpid()}",
-                args.task_id,
-                protocol_version=args.protocol_version,
-            )
-        )
+        missing = not replica.exists()
+        if missing and not replica.parent.is_dir():
+            raise _Stop(f"directory {replica.parent} does not exist", 2)
+        stopped_by = asyncio.run(_replicate(args, replica, restore_first=missing))
+    except _Stop as e:
+        print(f"changestreamer replicate: {e}", file=sys.stderr)
+        return e.code
     except ResyncRequiredError as e:
         print(f"changestreamer replicate: {e}", file=sys.stderr)
         return 3
     except ReplicaError as e:
         print(f"changestreamer replicate: {e}", file=sys.stderr)
         return 1
-    return 0
+    return 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
 
 
-async def _replicate(
-    url: str,
-    replica: Path,
-    subscriber_id: str,
-    task_id: str | None,
-    *,
-    protocol_version: int,
-) -> None:
+async def _replicate(args: argparse.Namespace, replica: Path, *, restore_first: bool) -> int | None:
+    """Replicates (after restoring the replica, if asked) until a signal; the signal."""
     stop = asyncio.Event()
+    stopped_by: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        stopped_by.append(sig)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
+    subscriber_id = args.subscriber_id or f"replicate-{os.getpid()}"
+    task_id: str | None = args.task_id
+    client = ChangeStreamerClient(args.url, protocol_version=args.protocol_version)
+    reservation: SnapshotFollowup | None = None
+    if restore_first:
+        task_id = task_id or subscriber_id
+        restoring = asyncio.create_task(_restore(client, replica, task_id, args.backup_url))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({restoring, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not restoring.done():  # stopped: the restore is cancelled, the reservation closed
+            restoring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await restoring
+            return stopped_by[0]
+        reservation = restoring.result()
     commits = 0
 
     def count(_: object) -> None:
@@ -113,14 +111,63 @@ async def _replicate(
         if commits % 1000 == 0:
             log.info("replicated %d transactions", commits)
 
-    log.info("replicating %s into %s", url, replica)
+    log.info("replicating %s into %s", args.url, replica)
     await run_replicator(
-        url,
+        args.url,
         replica,
         subscriber_id=subscriber_id,
         stop=stop,
         task_id=task_id,
         on_commit=count,
-        client=ChangeStreamerClient(url, protocol_version=protocol_version),
+        client=client,
+        reservation=reservation,
     )
     log.info("stopped after %d transactions", commits)
+    return stopped_by[0] if stopped_by else None
+
+
+async def _restore(
+    client: ChangeStreamerClient, replica: Path, task_id: str, backup_url: str | None
+) -> SnapshotFollowup:
+    """Restores the missing ``replica`` under a snapshot reservation, which it returns."""
+    try:
+        settings = load_settings()  # ZERO_LITESTREAM_*: where litestream is, S3 endpoint
+    except SettingsError as e:
+        raise _Stop(str(e), 2) from None
+    log.info(
+        "%s does not exist: restoring it from the change-streamer's backup "
+        "(snapshot reservation on %s as task %s)",
+        replica,
+        client.base,
+        task_id,
+    )
+    try:
+        status, followup = await client.reserve_snapshot(task_id)
+    except ProtocolError as e:  # 1002: no backups there
+        raise _Stop(
+            f"{replica} does not exist, and {client.base} has no backup to restore it from "
+            f"({e.reason}): restore one (changestreamer restore --backup-url URL --replica "
+            f"{replica}) or copy the service's replica file (sqlite3 replica.db "
+            f'".backup {replica}"), then start replicate again',
+            2,
+        ) from None
+    except ClientError as e:
+        raise _Stop(f"{replica} does not exist and cannot be restored: {e}", 1) from None
+    url = backup_url or status.backup_url
+    try:
+        options = litestream_options(
+            settings.model_copy(update={"litestream_backup_url": url}), replica
+        )
+        await check_version(options.executable)
+        restored = await restore_replica(
+            options, replica_version=status.replica_version, min_watermark=status.min_watermark
+        )
+        if restored is None:
+            raise _Stop(f"{replica} does not exist and cannot be restored: no backup at {url}", 1)
+    except (BackupConfigError, RestoreError) as e:
+        await followup.cancel()
+        raise _Stop(f"{replica} does not exist and cannot be restored: {e}", 1) from None
+    except BaseException:
+        await followup.cancel()
+        raise
+    return followup

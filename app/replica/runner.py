@@ -17,6 +17,11 @@ What ends it with an error instead of a retry:
 
 Other in-band errors (a subscriber dropped for lagging) and every connection failure
 are retried, as are 1002 closes (zero's replicator retries those too).
+
+A replica just restored from a backup under a snapshot reservation passes the
+reservation's followup: the first subscription goes through it (as the reserving
+task, ``initial=true``, on the reservation's own socket in v7), which ends the
+reservation; later ones are ordinary.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Literal
 
@@ -32,6 +37,8 @@ from app.client import (
     ChangeStreamerClient,
     ChangeStreamerError,
     ClientError,
+    SnapshotFollowup,
+    Subscription,
     SubscriptionContext,
     WatermarkTooOldError,
     WrongReplicaVersionError,
@@ -46,6 +53,8 @@ __all__ = ["run_replicator"]
 
 log = logging.getLogger(__name__)
 
+Subscribe = Callable[[SubscriptionContext], Awaitable[Subscription]]
+
 
 async def run_replicator(
     url: str,
@@ -58,47 +67,53 @@ async def run_replicator(
     backoff: Backoff | None = None,
     on_commit: Callable[[CommitResult], None] | None = None,
     client: ChangeStreamerClient | None = None,
+    reservation: SnapshotFollowup | None = None,
 ) -> None:
     """Replicates into ``replica_file`` until ``stop`` is set (see the module docstring)."""
     client = client or ChangeStreamerClient(url)
     delays = backoff or Backoff()
-    async with Replicator(replica_file, mode=mode, on_commit=on_commit) as replicator:
-        initial_watermark = replicator.watermark
-        while not stop.is_set():
-            ctx = SubscriptionContext(
-                id=subscriber_id,
-                replica_version=replicator.replica_version,
-                watermark=replicator.watermark,
-                mode=mode,
-                task_id=task_id,
-                initial=replicator.watermark == initial_watermark,
-            )
-            session = asyncio.create_task(_session(client, ctx, replicator))
-            try:
-                commits = await _unless_stopped(session, stop)
-            except (WrongReplicaVersionError, WatermarkTooOldError) as e:
-                raise ResyncRequiredError(
-                    f"replica {replica_file} (version {ctx.replica_version}, at "
-                    f"{ctx.watermark}) must be re-synced: {e}"
-                ) from e
-            except ChangeStreamerError as e:
-                log.warning("change-streamer error, resubscribing: %s", e)
-                commits = 0
-            except ClientError as e:
-                log.info("replication connection ended (%s); resubscribing", e)
-                commits = 0
-            if commits is None:  # stopped
-                return
-            if commits:
-                delays.reset()
-            with contextlib.suppress(TimeoutError):
-                await within(stop.wait(), delays.next_delay())
+    try:
+        async with Replicator(replica_file, mode=mode, on_commit=on_commit) as replicator:
+            initial_watermark = replicator.watermark
+            while not stop.is_set():
+                ctx = SubscriptionContext(
+                    id=subscriber_id,
+                    replica_version=replicator.replica_version,
+                    watermark=replicator.watermark,
+                    mode=mode,
+                    task_id=task_id,
+                    initial=replicator.watermark == initial_watermark,
+                )
+                subscribe: Subscribe = client.subscribe
+                if reservation is not None:
+                    subscribe, reservation = reservation.subscribe, None
+                session = asyncio.create_task(_session(subscribe, ctx, replicator))
+                try:
+                    commits = await _unless_stopped(session, stop)
+                except (WrongReplicaVersionError, WatermarkTooOldError) as e:
+                    raise ResyncRequiredError(
+                        f"replica {replica_file} (version {ctx.replica_version}, at "
+                        f"{ctx.watermark}) must be re-synced: {e}"
+                    ) from e
+                except ChangeStreamerError as e:
+                    log.warning("change-streamer error, resubscribing: %s", e)
+                    commits = 0
+                except ClientError as e:
+                    log.info("replication connection ended (%s); resubscribing", e)
+                    commits = 0
+                if commits is None:  # stopped
+                    return
+                if commits:
+                    delays.reset()
+                with contextlib.suppress(TimeoutError):
+                    await within(stop.wait(), delays.next_delay())
+    finally:
+        if reservation is not None:  # never used: the replica could not be opened
+            await reservation.cancel()
 
 
-async def _session(
-    client: ChangeStreamerClient, ctx: SubscriptionContext, replicator: Replicator
-) -> int:
-    subscription = await client.subscribe(ctx)
+async def _session(subscribe: Subscribe, ctx: SubscriptionContext, replicator: Replicator) -> int:
+    subscription = await subscribe(ctx)
     async with subscription:
         return await replicator.consume(subscription.batches())
 

@@ -44,6 +44,7 @@ import sys
 from pathlib import Path
 from typing import Final
 
+from app.logs import configure_logging
 from app.protocol.canonical_json import loads
 from app.protocol.messages import Begin, Commit, Data
 from app.protocol.pieces import join_text
@@ -202,10 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--poll-seconds", type=float, default=POLL_S)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper(), logging.WARNING),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # JSON whatever ZERO_LOG_FORMAT says: the parent reads these lines
+    # (replica_follower.parse_line) and logs them again in its own format.
+    configure_logging(args.log_level, "json")
     url = os.environ.get(CHANGE_DB_ENV)
     if not url:
         print(f"log_follower: {CHANGE_DB_ENV} is not set", file=sys.stderr)

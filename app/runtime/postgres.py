@@ -23,11 +23,11 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psycopg
 
 from app.config import Settings
+from app.logs import redacted_conninfo
 from app.replica.schema import ReplicaState, read_replica_state, remove_replica_files
 from app.runtime.backups import RestoreError, restore_if_missing
 from app.runtime.held_reservation import HeldReservation
@@ -86,7 +86,7 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
         # refuses a few libpq options; say so now, not on every reconnect.
         parse_conninfo(upstream)
     except ConnectError as e:
-        raise UpstreamSetupError(f"upstream {_redacted(upstream)}: {e}") from e
+        raise UpstreamSetupError(f"upstream {redacted_conninfo(upstream)}: {e}") from e
     cfg = ShardConfig(
         app_id=settings.app_id,
         shard_num=settings.shard_num,
@@ -110,7 +110,7 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
             sync=_sync_options(settings),
         )
     except (ShardSetupError, InitialSyncError, psycopg.Error) as e:
-        raise UpstreamSetupError(f"upstream {_redacted(upstream)}: {e}") from e
+        raise UpstreamSetupError(f"upstream {redacted_conninfo(upstream)}: {e}") from e
     return PreparedUpstream(upstream, cfg, state, row, held)
 
 
@@ -142,7 +142,7 @@ async def postgres_service(
     )
     log.info(
         "replicating %s through slot %s; replica %s at %s",
-        _redacted(prepared.url),
+        redacted_conninfo(prepared.url),
         row.slot,
         state.replica_version,
         state.state_version,
@@ -181,7 +181,7 @@ async def _check_failover(upstream: str) -> None:
         async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as conn:
             refusal = failover_refusal(conn.info.server_version)
     except psycopg.Error as e:
-        raise UpstreamSetupError(f"upstream {_redacted(upstream)}: {e}") from e
+        raise UpstreamSetupError(f"upstream {redacted_conninfo(upstream)}: {e}") from e
     if refusal is not None:
         raise UpstreamSetupError(refusal)
 
@@ -217,7 +217,7 @@ async def _prepare_replica(
             )
         log.warning("replica %s cannot continue (%s): re-syncing it", replica_file, reason)
         remove_replica_files(replica_file)
-    log.info("initial sync of %s into %s", _redacted(upstream), replica_file)
+    log.info("initial sync of %s into %s", redacted_conninfo(upstream), replica_file)
     sync = sync or SyncOptions()
     await initial_sync(upstream, cfg, replica_file, workers=sync.workers, failover=sync.failover)
     state = read_replica_state(replica_file)
@@ -248,10 +248,3 @@ async def _restore_if_missing(
 async def _check(upstream: str, cfg: ShardConfig, replica_version: str) -> ReplicaRow:
     async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as conn:
         return await check_replica(conn, cfg, replica_version)
-
-
-def _redacted(url: str) -> str:
-    """The URL without a password, for logs and errors."""
-    info: dict[str, Any] = psycopg.conninfo.conninfo_to_dict(url)
-    host = info.get("host", "localhost")
-    return f"{info.get('user', '')}@{host}:{info.get('port', 5432)}/{info.get('dbname', '')}"

@@ -14,6 +14,7 @@ than buffered (it reads ``lastWatermark`` itself then).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -121,9 +122,15 @@ class ReplicaFollower:
 
 
 def parse_line(line: str) -> tuple[int, str]:
-    """The child logs ``<date> <time> LEVEL name: message``; anything else (a traceback
-    line) is a warning."""
-    parts = line.split(" ", 3)
-    if len(parts) == 4 and parts[2] in LOG_LEVELS:
-        return LOG_LEVELS[parts[2]], parts[3].split(": ", 1)[-1]
-    return logging.WARNING, line
+    """The child logs JSON lines (``app.logs``): their level, and their message with
+    the traceback if any. Anything else (a traceback printed before its logging was
+    set up) is a warning."""
+    try:
+        record = json.loads(line) if line.startswith("{") else None
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("message"), str):
+        return logging.WARNING, line
+    level = LOG_LEVELS.get(str(record.get("level")), logging.WARNING)
+    exc = record.get("exc")
+    return level, f"{record['message']}\n{exc}" if exc else record["message"]

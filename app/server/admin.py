@@ -91,7 +91,7 @@ from app import speedups
 from app.protocol.canonical_json import dumps
 from app.replica.schema import read_replica_state
 from app.server.heap import HeapBusy, HeapTracer, dump_bytes, render_report
-from app.server.metrics import latest_lag_report
+from app.server.metric_values import latest_lag_report
 from app.streamer.service import ChangeStreamerService
 from app.timeouts import within
 
@@ -576,6 +576,10 @@ async def _backup_stats(service: ChangeStreamerService | None) -> dict[str, Any]
         "reservations": {
             "open": s.reservations.open_tasks,
             "longestSeconds": round(s.reservations.longest_completed_s, 3),
+            "held": [
+                {"taskID": r.task_id, "openSeconds": round(r.open_s, 3), "watermark": r.watermark}
+                for r in s.reservations.open_reservations()
+            ],
         },
     }
 
@@ -613,15 +617,24 @@ async def _replication_stats(service: ChangeStreamerService | None) -> dict[str,
         "subscriberDetails": [
             {
                 "id": sub.id,
+                "taskID": sub.task_id,
                 "mode": sub.mode,
                 "state": state_name,
                 "protocolVersion": sub.protocol_version,
                 "watermark": sub.watermark,
                 "acked": sub.acked,
                 "catchingUp": sub.backlogged,
+                # The range the catch-up reads (``to`` is None until the read starts).
+                "catchUp": {"from": sub.catchup_from, "to": sub.catchup_to},
                 "backlogMessages": sub.backlog_size,
                 "bufferedBytes": sub.buffered_bytes,
                 "pendingMessages": sub.downstream.pending,
+                # Transactions sent and not acked, and how long the oldest durable
+                # commit it has not acked has been durable.
+                "lagTransactions": sub.unacked_commits,
+                "lagMs": round(s.durable_wait_s(sub.acked) * 1000),
+                "missedReleases": sub.missed_releases,
+                "lagging": sub.lagging_since is not None,
             }
             for state_name, sub in subscribers
         ],

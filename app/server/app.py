@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app.server.admin import AdminAuth, admin_router, service_stats
+from app.server.dashboard import dashboard_router
 from app.server.health import health_router
 from app.server.http_protocol import PendingLimits
 from app.server.metrics import metrics_router
@@ -57,6 +58,7 @@ def create_app(
     event loop at start-up (its database pools and futures belong to that loop).
     """
     holder = ServiceHolder(service)
+    auth = auth or AdminAuth(None, None, development=True)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -76,6 +78,7 @@ def create_app(
             if runner is not None:
                 with contextlib.suppress(BaseException):
                     await runner
+            await feed.aclose()
             await db.dispose()
 
     # No OpenAPI document: it would list every route to anyone, without a password.
@@ -98,6 +101,13 @@ def create_app(
             )
         return True, ""
 
+    dashboard, feed = dashboard_router(
+        auth,
+        lambda: holder.service,
+        ready,
+        draining=connection_limits.draining if connection_limits is not None else None,
+    )
+
     app.include_router(
         health_router(
             ready=ready,
@@ -105,12 +115,8 @@ def create_app(
             on_keepalive_expired=on_keepalive_expired or on_service_exit or (lambda: None),
         )
     )
-    app.include_router(
-        admin_router(
-            auth or AdminAuth(None, None, development=True),
-            lambda groups: service_stats(holder.service, groups),
-        )
-    )
+    app.include_router(admin_router(auth, lambda groups: service_stats(holder.service, groups)))
+    app.include_router(dashboard)
     app.include_router(metrics_router(lambda: holder.service, connection_limits=connection_limits))
     if service is not None or service_factory is not None:
         app.include_router(replication_router(holder.get))

@@ -18,6 +18,9 @@ grow before the client hears why it was refused. Here:
 * websocket handshakes proceed at most ``handshakes_per_s`` a second, in arrival
   order (``admission.py``); one held longer than ``timeout_s``, or beyond
   ``max_pending`` held at once, is answered ``503``.
+* at shutdown ``PendingLimits.draining`` is set: responses that stream until their
+  client leaves (``/dashboard/events``) end then, instead of holding shutdown for
+  uvicorn's whole grace period.
 
 Refusals are logged at INFO with the client's address: the first of each status
 at once, the rest as one summary line per ``REFUSAL_LOG_INTERVAL_S`` (a flood of
@@ -104,6 +107,10 @@ class PendingLimits:
     pending: int = 0
     refusals: _RefusalLog = field(default_factory=_RefusalLog)
     refused: Counter[int] = field(default_factory=Counter)  # by status, since start
+    # Set when the server starts shutting down: uvicorn then waits (up to its grace
+    # period) for responses in progress, so those that stream until their client
+    # leaves (the dashboard's events) end when this is set.
+    draining: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -142,6 +149,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._end_pending()
         self._end_hold()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        self.limits.draining.set()
+        super().shutdown()
 
     def data_received(self, data: bytes) -> None:
         if self._answered:

@@ -18,15 +18,14 @@ from collections.abc import Callable, Mapping
 
 from fastapi import APIRouter, WebSocket
 
+from app.logs import bind_log_fields
 from app.protocol.lexi import InvalidWatermarkError, parse_state_version
 from app.server.subscribe_v7 import Session
 from app.server.transport import reject, stream_downstream
 from app.streamer.downstream import Downstream
 from app.streamer.reservations import BackupsNotConfiguredError, Reservation
 from app.streamer.service import ChangeStreamerService, SubscriberContext, TooManySubscribers
-
-MIN_PROTOCOL_VERSION = 1
-MAX_PROTOCOL_VERSION = 7
+from app.versions import MAX_PROTOCOL_VERSION, MIN_PROTOCOL_VERSION
 
 # ASCII digits only: \d would also take "v٦" (an Arabic-Indic six) as v6. At most 9,
 # so that int() of them cannot fail (it refuses more than 4300 digits).
@@ -94,6 +93,8 @@ def router(get_service: Callable[[], ChangeStreamerService]) -> APIRouter:
         except RequestError as e:
             await reject(websocket, str(e))
             return
+        # Once per connection: every line this task and its tasks log names the subscriber.
+        bind_log_fields(ctx.log_fields())
         try:
             downstream = get_service().subscribe(ctx)
         except TooManySubscribers as e:
@@ -119,7 +120,9 @@ def router(get_service: Callable[[], ChangeStreamerService]) -> APIRouter:
             await reject(websocket, str(e))
             return
         await websocket.accept()
-        await Session(websocket, get_service).run()
+        # The session adds the task and subscriber as its messages name them.
+        fields = bind_log_fields({"protocol": protocol})
+        await Session(websocket, get_service, log_fields=fields).run()
 
     async def snapshot(websocket: WebSocket) -> None:
         try:
@@ -127,6 +130,7 @@ def router(get_service: Callable[[], ChangeStreamerService]) -> APIRouter:
             task_id = websocket.query_params.get("taskID") or ""
             if not task_id:
                 raise RequestError("Missing taskID in snapshot request")
+            bind_log_fields({"task": task_id})
             try:
                 reservation = get_service().start_snapshot_reservation(task_id)
             except BackupsNotConfiguredError:

@@ -51,10 +51,17 @@ class Session:
     """One ``/subscribe`` socket."""
 
     def __init__(
-        self, websocket: WebSocket, get_service: Callable[[], ChangeStreamerService]
+        self,
+        websocket: WebSocket,
+        get_service: Callable[[], ChangeStreamerService],
+        *,
+        log_fields: dict[str, object] | None = None,
     ) -> None:
         self._websocket = websocket
         self._get_service = get_service
+        # The connection's log fields (``app.logs.bind_log_fields``), updated in place
+        # as messages name the task and the subscriber: the tasks already running see it.
+        self._log_fields = log_fields if log_fields is not None else {}
         self._outbound = Outbound(websocket)
         self._expected_client_id = 1
         self._reservation: Reservation | None = None
@@ -150,6 +157,7 @@ class Session:
         if self._downstream is not None:
             raise ProtocolViolation("reserve-snapshot after start-subscription")
         task_id = _string(body, "taskID", "reserve-snapshot")
+        self._log_fields["task"] = task_id
         try:
             reservation = self._get_service().start_snapshot_reservation(task_id)
         except BackupsNotConfiguredError:
@@ -188,6 +196,8 @@ class Session:
             watermark=_watermark(body, "watermark", where),
             task_id=_string(body, "taskID", where),
         )
+        self._log_fields.clear()  # in place, and in the order /changes lines have
+        self._log_fields.update(ctx.log_fields())
         # Registering the subscriber closes this task's reservation: the
         # subscriber's own position protects the log from then on, so no gap.
         try:

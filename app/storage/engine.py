@@ -25,6 +25,7 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from app.logs import redact
 from app.storage.errors import ChangeDbConfigError
 from app.storage.sqlite_group import TEMP_AUTO_VACUUM, SqliteStatements
 from app.storage.sqlite_writer import SqliteWriterProcess
@@ -100,7 +101,7 @@ def parse_change_db_url(value: str) -> URL:
     try:
         url = make_url(text)
     except ArgumentError as e:
-        raise ChangeDbConfigError(f"change DB URL {_redact(text)!r} is malformed: {e}") from e
+        raise ChangeDbConfigError(f"change DB URL {redact(text)!r} is malformed: {e}") from e
     backend = url.get_backend_name()
     if backend in ("postgres", "postgresql"):
         return url.set(drivername="postgresql+psycopg")
@@ -112,13 +113,9 @@ def parse_change_db_url(value: str) -> URL:
             )
         return url.set(drivername="sqlite+aiosqlite")
     raise ChangeDbConfigError(
-        f"change DB URL {_redact(text)!r} has unsupported scheme {url.drivername!r}: "
+        f"change DB URL {redact(text)!r} has unsupported scheme {url.drivername!r}: "
         "use postgres://, postgresql://, sqlite:/// or a file path"
     )
-
-
-def _redact(text: str) -> str:
-    return re.sub(r"://([^:/@]+):[^@/]*@", r"://\1:***@", text)
 
 
 def describe_url(url: URL) -> str:

@@ -102,6 +102,7 @@ class Broadcast:
         if not self.done.done():
             for sub in self._pending:
                 sub.missed_last_timeout = True
+                sub.missed_releases += 1
             self._release("consensus-timeout")
 
     def _release(self, mode: ReleaseMode) -> None:

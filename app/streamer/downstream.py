@@ -22,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal, overload
 
 from app import speedups
+from app.logs import log_extra
 from app.protocol.pieces import Text
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,14 @@ class DownstreamClosed(Exception):
 
 class Downstream:
     def __init__(
-        self, *, max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES, name: str = ""
+        self,
+        *,
+        max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES,
+        log_fields: Mapping[str, object] | None = None,
     ) -> None:
         self._max = max_unconsumed_bytes
-        self._name = name  # for the log line of an overflow
+        # Whom it serves, for the log line of an overflow (logged from the forwarder's task).
+        self._log_fields = log_fields or {}
         # Large messages not yet consumed, (message number, size), oldest first, and
         # their total: what the bound does not count.
         self._large: deque[tuple[int, int]] = deque()
@@ -152,7 +157,12 @@ class Downstream:
                     self._allowance += len(message)
         if total - self._consumed_bytes > self._max + self._allowance:
             reason = f"more than {self._max} bytes sent but not acknowledged"
-            log.warning("dropping subscriber %s: %s", self._name or "?", reason)
+            log.warning(
+                "dropping subscriber %s: %s",
+                self._log_fields.get("subscriber", "?"),
+                reason,
+                extra=log_extra(self._log_fields),
+            )
             self.close(reason)
         return future
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from app.protocol.errors import ErrorType
 from app.streamer.broadcast import Broadcast, ReleaseMode
+from app.streamer.histogram import LATENCY_BOUNDS_S, Histogram
 from app.streamer.subscriber import Change, Subscriber
 from app.streamer.timers import TimerHandle, Timers
 
@@ -65,10 +66,23 @@ class _Rate:
 
 @dataclass(slots=True)
 class FlowControlStats:
-    waits: dict[str, int] = field(
-        default_factory=lambda: {"all-subscribers": 0, "consensus-timeout": 0}
+    """Released checkpoints by release mode and by how long the loop waited for
+    them (zero's ``flow_control.waits`` and ``flow_control.wait_duration``)."""
+
+    durations: dict[str, Histogram] = field(
+        default_factory=lambda: {
+            "all-subscribers": Histogram(LATENCY_BOUNDS_S),
+            "consensus-timeout": Histogram(LATENCY_BOUNDS_S),
+        }
     )
-    wait_seconds: float = 0.0
+
+    @property
+    def waits(self) -> dict[str, int]:
+        return {mode: h.count for mode, h in self.durations.items()}
+
+    @property
+    def wait_seconds(self) -> float:
+        return sum(h.sum for h in self.durations.values())
 
 
 class Forwarder:
@@ -161,8 +175,7 @@ class Forwarder:
         if self.current is broadcast:
             self.current = None
         if not done.cancelled():
-            self.stats.waits[done.result()] += 1
-            self.stats.wait_seconds += self._timers.monotonic() - since
+            self.stats.durations[done.result()].observe(self._timers.monotonic() - since)
 
     def release_current(self) -> None:
         """Lets the waiting and the in-flight checkpoint go (the upstream stream
@@ -217,6 +230,7 @@ class Forwarder:
                     "dropping subscriber %s: nothing acknowledged in %.0f s",
                     sub.id,
                     FIRST_ACK_TIMEOUT_S,
+                    extra=sub.log_extra,
                 )
                 self.remove(sub)
         if self.current is not None and self.current.completed < self.current.majority:
@@ -268,7 +282,7 @@ class Forwarder:
 
     def _drop(self, sub: Subscriber, reason: str) -> None:
         """Disconnects ``sub`` with StreamTooFarBehind; no checkpoint waits for it."""
-        log.warning("disconnecting subscriber %s: %s", sub.id, reason)
+        log.warning("disconnecting subscriber %s: %s", sub.id, reason, extra=sub.log_extra)
         self.active.discard(sub)
         self.queued.discard(sub)
         self._rates.pop(sub, None)

@@ -24,14 +24,16 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Final, Literal, Protocol
+from typing import Final, Literal, NamedTuple, Protocol
 
+from app.logs import log_extra
 from app.protocol.canonical_json import dumps
 from app.streamer.timers import TimerHandle, Timers
 
 __all__ = [
     "BackupsNotConfiguredError",
     "ChangeLogStateLike",
+    "OpenReservation",
     "Reservation",
     "ReservationOutcome",
     "SnapshotReservations",
@@ -44,6 +46,14 @@ ReservationOutcome = Literal["open", "completed", "cancelled"]
 _MAX_QUEUED: Final = 2
 # A restore of a large replica can take hours; longer than this is a stuck client.
 DEFAULT_MAX_OPEN_S: Final = 4 * 3600.0
+
+
+class OpenReservation(NamedTuple):
+    """An open reservation as /statz and /dashboard show it."""
+
+    task_id: str
+    open_s: float  # since it was opened
+    watermark: str | None  # the reserved watermark, once confirmed
 
 
 class ChangeLogStateLike(Protocol):
@@ -214,6 +224,7 @@ class SnapshotReservations:
                 "CHANGESTREAMER_RESERVATION_MAX_SECONDS): ending it",
                 reservation.task_id,
                 self._max_open_s,
+                extra=log_extra({"task": reservation.task_id}),  # a timer's line
             )
             reservation.cancel()
 
@@ -225,6 +236,15 @@ class SnapshotReservations:
     def is_open(self, task_id: str) -> bool:
         """Whether ``task_id`` holds an open reservation (for /statz and tests)."""
         return task_id in self._by_task
+
+    def open_reservations(self) -> list[OpenReservation]:
+        """The open reservations, oldest first."""
+        now = self._timers.monotonic()
+        found = [
+            OpenReservation(r.task_id, max(0.0, now - r.opened_at), r.reserved_watermark)
+            for r in self._by_task.values()
+        ]
+        return sorted(found, key=lambda r: -r.open_s)
 
     def reserved_watermarks(self) -> list[str]:
         """Watermarks the purge floor must respect (confirmed or being confirmed)."""
@@ -318,7 +338,10 @@ class SnapshotReservations:
                 reservation.reserved_watermark = backup
                 reservation._push(message)
                 self._log.info(
-                    "snapshot reservation of task %s confirmed at %s", reservation.task_id, backup
+                    "snapshot reservation of task %s confirmed at %s",
+                    reservation.task_id,
+                    backup,
+                    extra=log_extra({"task": reservation.task_id}),  # the confirmer's task
                 )
 
     def _forget(self, reservation: Reservation) -> None:

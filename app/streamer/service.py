@@ -23,6 +23,7 @@ up in the same synchronous step; that pairing is the gap-free handoff.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import os
@@ -60,13 +61,14 @@ from app.storage import (
 from app.streamer.acker import UpstreamAcker
 from app.streamer.downstream import DEFAULT_MAX_UNCONSUMED_BYTES, Downstream
 from app.streamer.forwarder import Forwarder
+from app.streamer.histogram import LATENCY_BOUNDS_S, Histogram
 from app.streamer.loop_lag import LoopLag
 from app.streamer.pump import Pump
 from app.streamer.purge import CLEANUP_DELAY_S, CommitClock, Purger
 from app.streamer.reservations import DEFAULT_MAX_OPEN_S, Reservation, SnapshotReservations
 from app.streamer.rowrun import encode_rows
 from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, DEFAULT_GROUP_MAX_ROWS, Storer
-from app.streamer.subscriber import Change, Mode, Subscriber, new_change
+from app.streamer.subscriber import Change, Mode, Subscriber, new_change, subscriber_log_fields
 from app.streamer.timers import LoopTimers, Timers
 from app.timeouts import within
 
@@ -97,6 +99,10 @@ class SubscriberContext:
     watermark: str
     initial: bool = False
     task_id: str | None = None
+
+    def log_fields(self) -> dict[str, object]:
+        """What the log lines of this subscriber's connection carry (``app.logs``)."""
+        return subscriber_log_fields(self.id, self.task_id, self.mode, self.protocol_version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +243,10 @@ class ChangeStreamerService:
         self.running = False
         self.transactions = 0
         self.changes = 0
+        # Upstream commit time (a commit's commitTimeMs) to the moment the commit
+        # was handed to the subscribers; commit times of commits not yet handed.
+        self.commit_forward_seconds = Histogram(LATENCY_BOUNDS_S)
+        self._unforwarded_commit_ms: list[float] = []
 
     # ------------------------------------------------------------------
     # Lifecycle.
@@ -502,6 +512,8 @@ class ChangeStreamerService:
         # storer's consumer (the event loop runs them in that order), so a commit's
         # frames reach the sockets before its group commit is handed to the writer.
         released = self.forwarder.forward(forwarding, checkpoint=True)
+        if self._unforwarded_commit_ms:
+            self._commits_forwarded()
         self.storer.append(forwarding)
         forwarding.clear()
         if released is None:
@@ -517,8 +529,21 @@ class ChangeStreamerService:
         """Forwards, stores and empties ``changes`` (the one path for every change)."""
         if changes:
             self.forwarder.forward(changes)  # first: see _checkpoint
+            if self._unforwarded_commit_ms:
+                self._commits_forwarded()
             self.storer.append(changes)
             changes.clear()
+
+    def _commits_forwarded(self) -> None:
+        """The commits just forwarded: upstream commit → forward, on the wall clock
+        (the upstream's clock against ours: a skew shows up here; a commit stamped
+        in our future counts as 0)."""
+        now_ms = self._timers.wall_ms()
+        observe = self.commit_forward_seconds.observe
+        for commit_ms in self._unforwarded_commit_ms:  # a number: the protocol checks it
+            waited_ms = now_ms - commit_ms
+            observe(waited_ms / 1000 if waited_ms > 0 else 0.0)
+        self._unforwarded_commit_ms.clear()
 
     async def _race(
         self, waited: asyncio.Future[Any], ended: asyncio.Future[None], storer: asyncio.Task[None]
@@ -570,6 +595,9 @@ class ChangeStreamerService:
                 )
             self._tx = None  # complete once stored: an upstream end from here on rolls nothing back
             self.transactions += 1
+            commit_ms = message.body.get("commitTimeMs")
+            if commit_ms is not None:
+                self._unforwarded_commit_ms.append(commit_ms)
             self.acker.on_commit(message)
             return new_change(open_tx, "commit", _bookend(message.body, "commit", open_tx))
         if kind is Rollback:
@@ -612,7 +640,9 @@ class ChangeStreamerService:
             )
         if ctx.mode == "serving":
             self.serving_started.set()
-        downstream = Downstream(max_unconsumed_bytes=self.options.max_unconsumed_bytes, name=ctx.id)
+        downstream = Downstream(
+            max_unconsumed_bytes=self.options.max_unconsumed_bytes, log_fields=ctx.log_fields()
+        )
         sub = Subscriber(
             id=ctx.id,
             protocol_version=ctx.protocol_version,
@@ -620,15 +650,30 @@ class ChangeStreamerService:
             mode=ctx.mode,
             downstream=downstream,
             latest_lag_report=lambda: self._latest_lag_report,
+            task_id=ctx.task_id,
         )
         if ctx.replica_version != self.replica_version:
+            log.warning(
+                "rejecting subscriber %s at replica version %s",
+                ctx.id,
+                ctx.replica_version,
+                extra=sub.log_extra,
+            )
             sub.close(
                 ErrorType.WRONG_REPLICA_VERSION,
                 f"current replica version is {self.replica_version} "
                 f"(requested {ctx.replica_version})",
             )
             return downstream
-        downstream.on_close(lambda: self.forwarder.remove(sub))
+        # One line at each end of a subscription, as zero-cache logs them; explicit
+        # fields, since whoever closes the channel may run in another task.
+        log.info("adding subscriber %s at %s", ctx.id, ctx.watermark, extra=sub.log_extra)
+
+        def remove() -> None:
+            log.info("removing subscriber %s", sub.id, extra=sub.log_extra)
+            self.forwarder.remove(sub)
+
+        downstream.on_close(remove)
         # One synchronous step: the forwarder's position is the catch-up bound.
         self.forwarder.add(sub)
         self.storer.catchup(sub, ctx.mode)
@@ -660,10 +705,23 @@ class ChangeStreamerService:
         """How long the oldest commit not yet in a backup has been durable; None if unknown."""
         if self.backup_watermark is None:
             return None
-        for watermark, at in self._durable_at:
-            if watermark > self.backup_watermark:
-                return max(0.0, self._timers.monotonic() - at)
-        return 0.0
+        return self.durable_wait_s(self.backup_watermark)
+
+    def durable_wait_s(self, watermark: str) -> float:
+        """How long the oldest durable commit after ``watermark`` (a backup's, a
+        subscriber's ack) has been durable: 0 if none is after it, and at least that
+        of the oldest commit remembered when ``watermark`` is older."""
+        history = self._durable_at
+        after = bisect.bisect_right(history, watermark, key=_watermark_of)
+        if after == len(history):
+            return 0.0
+        return max(0.0, self._timers.monotonic() - history[after][1])
+
+    def last_commit_age_s(self) -> float | None:
+        """Seconds since the newest commit became durable (None before the first)."""
+        if not self._durable_at:
+            return None
+        return max(0.0, self._timers.monotonic() - self._durable_at[-1][1])
 
     def track_backup_watermark(self, watermark: str) -> None:
         if self.backup_watermark is None or watermark > self.backup_watermark:
@@ -677,6 +735,11 @@ class ChangeStreamerService:
         if tasks:
             return f"snapshot reservation open for {', '.join(sorted(tasks))}"
         return None
+
+    @property
+    def upstream_type(self) -> str:
+        """The change source's kind (``postgres``, ``custom``, ``demo``, …)."""
+        return self._source.upstream_type
 
     async def upstream_stats(self) -> dict[str, Any]:
         """``/statz``'s ``upstream`` group: what the change source says of itself."""
@@ -700,6 +763,10 @@ class ChangeStreamerService:
 
     async def get_change_log_state(self) -> ChangeLogState:
         return await self.replication.change_log_state()
+
+
+def _watermark_of(entry: tuple[str, float]) -> str:
+    return entry[0]
 
 
 class _CleanStop(Exception):

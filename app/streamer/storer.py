@@ -51,6 +51,7 @@ from app.protocol.pieces import LARGE_TEXT_CHARS
 from app.storage import AbortError, AutoResetSignal, ChangeLog, Replication, StoredRow
 from app.storage.backfill import BookkeepingOp, bookkeeping_for
 from app.storage.changelog import WriteTransaction
+from app.streamer.histogram import CATCHUP_BOUNDS_S, GROUP_ROWS_BOUNDS, Histogram
 from app.streamer.subscriber import Change, Mode, Subscriber, new_change
 from app.streamer.tail import DEFAULT_TAIL_BYTES, LogTail
 from app.streamer.timers import TimerHandle, Timers
@@ -114,6 +115,7 @@ _Item = _OpenTx | _Chunk | object
 class _Catchup:
     sub: Subscriber
     mode: Mode
+    started: float  # when it was asked for (Timers.monotonic)
     task: asyncio.Task[None] | None = None
 
 
@@ -182,6 +184,10 @@ class Storer:
         change_log.before_purge(self._tail.forget_before)
         self.catchups_from_memory = 0
         self.catchups_from_log = 0
+        # Rows per group commit, and catch-ups from request to the end of their
+        # read (waits for durability and for a turn included): for /metrics.
+        self.group_commit_rows = Histogram(GROUP_ROWS_BOUNDS)
+        self.catchup_seconds = Histogram(CATCHUP_BOUNDS_S)
 
     # ------------------------------------------------------------------
     # Enqueue side: called by the main loop without awaiting.
@@ -266,7 +272,7 @@ class Storer:
 
     def catchup(self, sub: Subscriber, mode: Mode) -> None:
         """Catches ``sub`` up to the stream position of this very call (see module doc)."""
-        request = _Catchup(sub, mode)
+        request = _Catchup(sub, mode, self._timers.monotonic())
         if self._enqueued_in_tx or self._until_owned:
             self._parked.append(request)
         else:
@@ -347,6 +353,7 @@ class Storer:
         completed: list[_OpenTx] = []
         writer: contextlib.AbstractAsyncContextManager[WriteTransaction] | None = None
         db_tx: WriteTransaction | None = None
+        chunk_rows = 0  # rows of a big transaction already in the open db_tx
 
         async def open_db_tx() -> WriteTransaction:
             nonlocal writer, db_tx
@@ -369,16 +376,18 @@ class Storer:
                 await cm.__aexit__(_Rollback, _Rollback(), None)
 
         async def flush_completed() -> None:
-            nonlocal completed
+            nonlocal completed, chunk_rows
             if not completed:
                 return
             group, completed = completed, []
             rows = [row for t in group for row in t.rows]
+            committed, chunk_rows = len(rows) + chunk_rows, 0
             if db_tx is None and not any(t.ops for t in group):
                 # The common case (no schema-change bookkeeping, no big transaction
                 # holding a database transaction open): one call.
                 await self._log.commit_rows(self._owner, rows, group[-1].watermark)
                 self._made_durable(group)
+                self.group_commit_rows.observe(committed)
                 return
             w = await open_db_tx()
             for start in range(0, len(rows), self._group_max_rows):
@@ -389,6 +398,7 @@ class Storer:
             w.set_last_watermark(group[-1].watermark)
             await close_db_tx(commit=True)
             self._made_durable(group)
+            self.group_commit_rows.observe(committed)
 
         try:
             await self._log.start_writer()
@@ -417,10 +427,12 @@ class Storer:
                             chunked_open = True
                         w = await open_db_tx()
                         await w.append(item.rows)
+                        chunk_rows += len(item.rows)
                     elif item is _DROP:
                         if chunked_open:
                             await close_db_tx(commit=False)
                             chunked_open = False
+                            chunk_rows = 0
                     else:  # _STOP
                         stopping = True
                         break
@@ -544,6 +556,7 @@ class Storer:
         return _ramped(held, first, self._catchup_batch)
 
     def _start_catchup(self, request: _Catchup, up_to: str) -> None:
+        request.sub.catchup_to = up_to
         task = asyncio.create_task(self._catchup(request, up_to), name=f"catchup-{request.sub.id}")
         request.task = task
         self._catchups.add(task)
@@ -594,14 +607,16 @@ class Storer:
                 if sub.closed:
                     return
                 await self._read_for(sub, mode, start, up_to)
+            if not sub.closed:  # read to its end (not refused, not gone)
+                self.catchup_seconds.observe(self._timers.monotonic() - request.started)
         except AutoResetSignal as e:
-            log.error("%s", e)
+            log.error("%s", e, extra=sub.log_extra)
             sub.fail(e)
             self._on_fatal(e)
         except StorerStopped as e:
             sub.fail(e)
         except Exception as e:
-            log.exception("catch-up of subscriber %s failed", sub.id)
+            log.exception("catch-up of subscriber %s failed", sub.id, extra=sub.log_extra)
             sub.fail(e)
 
     async def _read_for(self, sub: Subscriber, mode: Mode, start: str, up_to: str) -> None:
@@ -640,6 +655,7 @@ class Storer:
                 sub.id,
                 start,
                 up_to,
+                extra=sub.log_extra,
             )
         sub.set_caught_up()
 

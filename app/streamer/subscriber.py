@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any, Literal, NamedTuple
 
 from app import speedups
+from app.logs import log_extra
 from app.protocol.downstream import status_json
 from app.protocol.errors import ErrorType, error_message_json
 from app.protocol.pieces import Text
@@ -94,6 +95,19 @@ _fanout = speedups.module("fanout")
 select_live = _select_live_py if _fanout is None else _fanout.select_live
 
 
+def subscriber_log_fields(
+    id: str, task_id: str | None, mode: Mode, protocol_version: int
+) -> dict[str, object]:
+    """What every log line about a subscriber carries (``app.logs``), as zero-cache's
+    ``subscriber`` context: its id, its view-syncer task (if it said), mode, protocol."""
+    fields: dict[str, object] = {"subscriber": id}
+    if task_id:
+        fields["task"] = task_id
+    fields["mode"] = mode
+    fields["protocol"] = protocol_version
+    return fields
+
+
 class Subscriber:
     def __init__(
         self,
@@ -105,12 +119,18 @@ class Subscriber:
         downstream: Downstream,
         latest_lag_report: Callable[[], dict[str, object] | None],
         high_water: int = BACKLOG_HIGH_WATER,
+        task_id: str | None = None,
     ) -> None:
         self.id = id
+        self.task_id = task_id  # the view-syncer task it says it belongs to, if any
         self.protocol_version = protocol_version
         self.mode = mode
         self.watermark = watermark
         self.acked = watermark
+        # Catch-up: from the watermark it came with to the bound the storer reads up
+        # to (set when the read starts; /statz and /dashboard show the progress).
+        self.catchup_from = watermark
+        self.catchup_to: str | None = None
         self.downstream = downstream
         self._latest_lag_report = latest_lag_report
         self._unsupported = frozenset(t for t, v in _MIN_VERSION.items() if protocol_version < v)
@@ -128,6 +148,7 @@ class Subscriber:
         self._commits: deque[tuple[int, str]] = deque()
         # Flow-control bookkeeping (broadcast / laggard detection).
         self.missed_last_timeout = False
+        self.missed_releases = 0  # consensus-timeout releases that went on without it
         self.lagging_since: float | None = None
         downstream.on_close(self._on_downstream_closed)
         downstream.on_consumed(self._on_consumed)
@@ -154,6 +175,11 @@ class Subscriber:
     @property
     def processed(self) -> int:
         return self.downstream.consumed
+
+    @property
+    def unacked_commits(self) -> int:
+        """Transactions sent to it and not acked yet."""
+        return len(self._commits)
 
     # -- live path ----------------------------------------------------------
 
@@ -294,9 +320,17 @@ class Subscriber:
         sent.add_done_callback(lambda _: self.downstream.close(message))
         asyncio.get_running_loop().call_later(ERROR_DELIVERY_S, self.downstream.close, message)
 
+    @property
+    def log_extra(self) -> dict[str, object]:
+        """``extra=`` for a line about this subscriber logged outside its connection's
+        tasks (the forwarder's timers, a catch-up); built only when a line is."""
+        return log_extra(
+            subscriber_log_fields(self.id, self.task_id, self.mode, self.protocol_version)
+        )
+
     def fail(self, error: BaseException) -> None:
         """Drops the subscriber silently; it will reconnect and resume."""
-        log.info("subscriber %s dropped: %s", self.id, error)
+        log.info("subscriber %s dropped: %s", self.id, error, extra=self.log_extra)
         self.close(None, str(error))
 
     def _on_downstream_closed(self) -> None:

@@ -4,11 +4,20 @@ The real server comes from tests/server/conftest.py (uvicorn + the app + a
 MemoryChangeSource). Stub websocket servers are used only where the real one
 cannot be made to misbehave (silence, pings without messages, garbage frames,
 replaying an already-sent transaction) and record what the client sent.
+``command``/``in_terminal`` run the ``changestreamer`` command itself, its stdout a
+pipe or a pseudo-terminal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -25,7 +34,10 @@ __all__ = [
     "REPLICA_VERSION",
     "Server",
     "StubServer",
+    "command",
+    "command_env",
     "free_port",
+    "in_terminal",
     "start_server",
     "stub_server",
     "txn",
@@ -33,6 +45,49 @@ __all__ = [
 ]
 
 TIMEOUT = 10
+CLI = [sys.executable, "-m", "app.cli"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def command_env() -> dict[str, str]:
+    """The environment for the command: no ZERO_* settings, a colour terminal type."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_")}
+    for name in ("NO_COLOR", "FORCE_COLOR", "COLUMNS", "LINES", "TTY_COMPATIBLE"):
+        env.pop(name, None)
+    env.update(PYTHONPATH=str(REPO), TERM="xterm-256color")
+    return env
+
+
+def command(*args: str) -> subprocess.CompletedProcess[str]:
+    """``changestreamer ARGS`` with stdout and stderr pipes (blocking: run in a thread)."""
+    return subprocess.run(
+        [*CLI, *args], env=command_env(), capture_output=True, text=True, timeout=60
+    )
+
+
+def in_terminal(*args: str) -> tuple[int, str, str]:
+    """``changestreamer ARGS`` with stdout a 120-column pseudo-terminal (blocking: run in a
+    thread): its exit status, what it wrote to the terminal, and its stderr."""
+    terminal, child_side = pty.openpty()
+    fcntl.ioctl(child_side, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(
+        [*CLI, *args], env=command_env(), stdout=child_side, stderr=subprocess.PIPE
+    )
+    os.close(child_side)
+    shown = bytearray()
+    try:
+        while True:
+            try:
+                data = os.read(terminal, 65536)
+            except OSError:  # EIO: the child's side is closed, the command is done
+                break
+            if not data:
+                break
+            shown += data
+    finally:
+        os.close(terminal)
+        _, err = proc.communicate(timeout=60)
+    return proc.returncode, shown.decode(), err.decode()
 
 
 def txn(w: str, n: int = 1, table: str = "issues") -> list[list[Any]]:

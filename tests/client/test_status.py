@@ -7,19 +7,21 @@ returns a fixed JSON document, and record each request line and header.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import io
+import re
+import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
 
-from app.client import add_status_arguments, run_status, status
+from app.cli import build_parser
+from app.client import run_status, status
 from app.client.status import format_statz
 
-from .conftest import free_port
+from .conftest import CLI, TIMEOUT, command, command_env, free_port, in_terminal
 
 PASSWORD = "s3cret"
 STATZ = (
@@ -72,18 +74,22 @@ async def stub() -> AsyncIterator[Stub]:
         yield stub
 
 
+PLAIN = (
+    "=== changeLog ===\n"
+    "  rows: 42\n"
+    "=== replication ===\n"
+    "  lastWatermark: 0c3f2b\n"
+    '  subscribers: [{"id":"a","acked":"0c3f2b"}]\n'
+    "=== upstream ===\n"
+    "  error: connection refused\n"
+)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 async def test_the_stats_are_printed_per_group(stub: Stub) -> None:
     out, err = io.StringIO(), io.StringIO()
     assert await status(stub.url, password=PASSWORD, out=out, err=err) == 0
-    assert out.getvalue() == (
-        "=== changeLog ===\n"
-        "  rows: 42\n"
-        "=== replication ===\n"
-        "  lastWatermark: 0c3f2b\n"
-        '  subscribers: [{"id":"a","acked":"0c3f2b"}]\n'
-        "=== upstream ===\n"
-        "  error: connection refused\n"
-    )
+    assert out.getvalue() == PLAIN
     assert err.getvalue() == ""
     [(request_line, headers)] = stub.requests
     assert request_line == "GET /statz?format=json HTTP/1.1"
@@ -108,9 +114,7 @@ async def test_no_password_sends_no_credentials_and_says_what_is_missing(stub: S
 
 
 async def test_the_argument_parser_reads_the_password(stub: Stub) -> None:
-    parser = argparse.ArgumentParser()
-    add_status_arguments(parser)
-    args = parser.parse_args([stub.url, "--password", PASSWORD])
+    args = build_parser().parse_args(["status", stub.url, "--password", PASSWORD])
     out, err = io.StringIO(), io.StringIO()
     assert await asyncio.to_thread(run_status, args, out, err) == 0
     assert out.getvalue().startswith("=== changeLog ===\n")
@@ -128,3 +132,65 @@ async def test_an_unreachable_server_is_one_line_and_exit_code_1() -> None:
 
 def test_format_statz_of_a_non_object() -> None:
     assert format_statz([1, 2]) == "[\n  1,\n  2\n]\n"
+
+
+async def test_through_a_pipe_the_command_prints_the_plain_text(stub: Stub) -> None:
+    done = await asyncio.to_thread(command, "status", stub.url, "--password", PASSWORD)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == PLAIN
+
+
+async def test_on_a_terminal_each_group_is_a_table_in_colour(stub: Stub) -> None:
+    code, shown, err = await asyncio.to_thread(
+        in_terminal, "status", stub.url, "--password", PASSWORD
+    )
+    assert (code, err) == (0, "")
+    assert ANSI.search(shown), shown
+    text = ANSI.sub("", shown)
+    assert "===" not in text
+    lines = text.splitlines()
+    titles = [line.strip() for line in lines if line.strip().isalpha()]
+    assert titles == ["changeLog", "replication", "upstream"]
+    assert lines[1].startswith("╭")
+    rows = [line.strip().strip("│").split("│") for line in lines if line.startswith("│")]
+    assert [[cell.strip() for cell in row] for row in rows] == [
+        ["rows", "42"],
+        ["lastWatermark", "0c3f2b"],
+        ["subscribers", '[{"id":"a","acked":"0c3f2b"}]'],
+        ["error", "connection refused"],
+    ]
+
+
+async def test_ctrl_c_while_the_server_does_not_answer_exits_quietly_with_130() -> None:
+    port = free_port()
+    asked, release, closed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        asked.set()
+        await release.wait()
+        writer.close()
+        await writer.wait_closed()
+        closed.set()
+
+    async with await asyncio.start_server(never_answer, "127.0.0.1", port):
+        proc = await asyncio.create_subprocess_exec(
+            *CLI,
+            "status",
+            f"http://127.0.0.1:{port}",
+            env=command_env(),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            await asyncio.wait_for(asked.wait(), TIMEOUT)
+            proc.send_signal(signal.SIGINT)
+            # At once: not after the request's own 10 s timeout.
+            out, err = await asyncio.wait_for(proc.communicate(), 5)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            release.set()
+            await asyncio.wait_for(closed.wait(), TIMEOUT)
+    assert (proc.returncode, out, err) == (130, b"", b"")

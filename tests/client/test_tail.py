@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
+import re
+import signal
 from typing import Any
 
-from app.client import (
-    ChangeStreamerClient,
-    SubscriptionContext,
-    add_tail_arguments,
-    run_tail,
-    tail,
-)
+from app.cli import build_parser
+from app.client import ChangeStreamerClient, SubscriptionContext, run_tail, tail
 from app.protocol.canonical_json import loads
 
-from .conftest import TIMEOUT, Server, txn
+from .conftest import CLI, TIMEOUT, Server, command, command_env, in_terminal, txn
 
 REL = {"schema": "public", "name": "issues", "rowKey": {"columns": ["id"]}}
 
@@ -65,9 +61,7 @@ async def test_json_output_from_a_watermark_via_the_argument_parser(server: Serv
         await asyncio.wait_for(sub.__anext__(), TIMEOUT)
     await store(server, *txn("02"), *txn("03"))
     await asyncio.wait_for(server.service.storer.wait_durable("03"), TIMEOUT)
-    parser = argparse.ArgumentParser()
-    add_tail_arguments(parser)
-    args = parser.parse_args([server.url, "--from", "02", "--json", "--limit", "1"])
+    args = build_parser().parse_args(["tail", server.url, "--from", "02", "--json", "--limit", "1"])
     out, err = io.StringIO(), io.StringIO()
     code = await asyncio.wait_for(asyncio.to_thread(run_tail, args, out, err), TIMEOUT)
     assert code == 0, err.getvalue()
@@ -93,3 +87,64 @@ async def test_a_bad_url_is_exit_code_2() -> None:
     err = io.StringIO()
     assert await tail("ftp://x", out=io.StringIO(), err=err) == 2
     assert "must start with ws://" in err.getvalue()
+
+
+MIXED_LINES = [
+    "begin 03",
+    '03  update public.issues {"id":"b"} key {"id":"a"}',
+    '03  delete public.issues {"id":"b"}',
+    "03  truncate public.issues",
+    "commit 03",
+]
+
+
+async def test_through_a_pipe_the_command_prints_the_plain_lines(server: Server) -> None:
+    running = asyncio.create_task(
+        asyncio.to_thread(command, "tail", server.url, "--from", "02", "--limit", "1")
+    )
+    await store(server, *txn("02"), *mixed("03"))
+    done = await asyncio.wait_for(running, TIMEOUT)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.splitlines() == MIXED_LINES
+
+
+async def test_on_a_terminal_the_transactions_are_a_table_in_colour(server: Server) -> None:
+    running = asyncio.create_task(
+        asyncio.to_thread(in_terminal, "tail", server.url, "--from", "02", "--limit", "1")
+    )
+    await store(server, *txn("02"), *mixed("03"))
+    code, shown, err = await asyncio.wait_for(running, TIMEOUT)
+    assert (code, err) == (0, "")
+    assert re.search(r"\x1b\[[0-9;]*m", shown), shown
+    rows = [line.split() for line in re.sub(r"\x1b\[[0-9;]*m", "", shown).splitlines()]
+    assert rows == [
+        ["WATERMARK", "CHANGE", "TABLE", "ROW"],
+        ["03", "begin"],
+        ["03", "update", "public.issues", '{"id":"b"}', "key", '{"id":"a"}'],
+        ["03", "delete", "public.issues", '{"id":"b"}'],
+        ["03", "truncate", "public.issues"],
+        ["03", "commit"],
+    ]
+
+
+async def test_ctrl_c_ends_it_quietly_with_130(server: Server) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        "tail",
+        server.url,
+        env=command_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await store(server, *txn("02"))
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), TIMEOUT)
+        assert line == b"begin 02\n"  # it streams
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert (proc.returncode, err) == (130, b"")

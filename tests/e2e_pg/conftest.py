@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from app.cli import open_change_db
+from app.commands.migrate import open_change_db
 from app.config import Settings, load_settings
 from app.protocol.canonical_json import loads
 from app.runtime.postgres import PostgresRuntime, postgres_service, prepare_upstream

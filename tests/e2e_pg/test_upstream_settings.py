@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from app.cli import open_change_db
+from app.commands.migrate import open_change_db
 from app.config import Settings, load_settings
 from app.runtime.postgres import UpstreamSetupError, postgres_service, prepare_upstream
 from app.sources.postgres import initial_sync as initial_sync_module

@@ -25,13 +25,8 @@ from app.protocol.lexi import (
     to_lexi,
     watermark_to_lsn,
 )
-from app.server.replication import (
-    MAX_PROTOCOL_VERSION,
-    MIN_PROTOCOL_VERSION,
-    RequestError,
-    protocol_version,
-    subscriber_context,
-)
+from app.server.replication import RequestError, protocol_version, subscriber_context
+from app.versions import MAX_PROTOCOL_VERSION, MIN_PROTOCOL_VERSION
 from tests.fuzz.conftest import fuzz_settings
 
 lexi_values = st.integers(min_value=0, max_value=MAX_LEXI_VALUE)

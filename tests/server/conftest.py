@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import uvicorn
 
+from app.server.admin import AdminAuth
 from app.server.app import create_app
 from app.server.http_protocol import GuardedHttpProtocol
 from app.server.ws_protocol import LivenessProtocol
@@ -77,13 +78,14 @@ async def start_server(
     max_pending: int = 256,
     handshake_timeout_s: float = 10.0,
     handshakes_per_s: float = 50.0,
+    auth: AdminAuth | None = None,
     **options: Any,
 ) -> AsyncIterator[Server]:
     """The service behind uvicorn with the protocols (and their bounds) `serve` uses."""
     db, source, service = await new_service(tmp_path, task_id="server-test", **options)
     port = free_port()
     http = GuardedHttpProtocol.with_limits(max_pending, handshake_timeout_s, handshakes_per_s)
-    app = create_app(db, service, startup_delay_s=3600, connection_limits=http.limits)
+    app = create_app(db, service, startup_delay_s=3600, connection_limits=http.limits, auth=auth)
     # The websocket protocol `changestreamer serve` uses.
     config = uvicorn.Config(
         app,

@@ -331,7 +331,7 @@ async def test_statz_json_holds_the_change_streamer_groups(
     assert stats["changeLog"].pop("bytes") > 0
     assert stats["changeLog"] == {"rows": 2, "minWatermark": "01", "maxWatermark": "01"}
     assert stats["backup"]["purge"]["heldBy"] is None  # no purge pass yet
-    assert stats["backup"]["reservations"] == {"open": [], "longestSeconds": 0.0}
+    assert stats["backup"]["reservations"] == {"open": [], "longestSeconds": 0.0, "held": []}
     # The SQLite writer process starts with the storer; this service never streamed.
     assert writer == {"pid": None, "starts": 0}
     replication = stats["replication"]

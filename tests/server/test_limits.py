@@ -177,9 +177,9 @@ async def test_handshakes_that_cannot_wait_get_503_with_the_reason(
         # One log line for the first 503; the second is counted for the summary.
         assert caplog.text.count("refused a connection from") == 1
         metrics = (await raw_request(server, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")).decode()
-        assert 'changestreamer_connections_refused_total{status="503"} 2' in metrics
-        assert "changestreamer_handshakes_held_total 1" in metrics
-        assert "changestreamer_handshakes_waiting 0" in metrics
+        assert 'changestreamer_connections_refused_total{status="503"} 2.0' in metrics
+        assert "changestreamer_handshakes_held_total 1.0" in metrics
+        assert "changestreamer_handshakes_waiting 0.0" in metrics
 
 
 async def test_subscribers_beyond_the_limit_are_refused_with_the_reason(tmp_path: Path) -> None:

@@ -1,143 +1,29 @@
-"""/metrics in the Prometheus text format, scraped over loopback from a running streamer."""
+"""/metrics, scraped over loopback from a running streamer and read with
+prometheus-client's own parser (what a scraper accepts)."""
 
 from __future__ import annotations
 
 import asyncio
-import math
-import re
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import pytest
 from fastapi import FastAPI
 
-from app.server.metrics import (
-    ChangeLogRows,
-    MetricFamily,
-    format_value,
-    lag_seconds,
-    metrics_router,
-    render,
-)
+from app.server.metric_values import ChangeLogRows, lag_seconds
+from app.server.metrics import metrics_router
 from app.sources.memory import MemoryChangeSource
-from app.storage import (
-    ChangeLog,
-)
+from app.storage import ChangeLog
 from app.streamer.service import ChangeStreamerService, SubscriberContext
 
 from .conftest import REPLICA_VERSION, new_service
 from .http import http_get, serve
+from .scraping import EXPECTED, Scrape, eventually, histogram, scrape, txn, value
 
-# -- a real server on loopback -------------------------------------------------
-
-
-# -- a strict parser of the text format (what a scraper accepts) -------------------
-
-_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"(,|$)')
-
-
-@dataclass
-class Family:
-    help: str | None = None
-    type: str | None = None
-    samples: dict[tuple[tuple[str, str], ...], float] = field(default_factory=dict)
-
-
-def _unescape(text: str) -> str:
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), text)
-
-
-def parse(text: str) -> dict[str, Family]:
-    assert text.endswith("\n")
-    families: dict[str, Family] = {}
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            name, _, doc = line[7:].partition(" ")
-            family = families.setdefault(name, Family())
-            assert family.help is None, f"second HELP: {line}"
-            assert not family.samples, f"HELP after samples: {line}"
-            family.help = _unescape(doc)
-        elif line.startswith("# TYPE "):
-            name, _, kind = line[7:].partition(" ")
-            family = families.setdefault(name, Family())
-            assert family.type is None, f"second TYPE: {line}"
-            assert not family.samples, f"TYPE after samples: {line}"
-            assert kind in ("counter", "gauge"), line
-            family.type = kind
-        else:
-            m = _SAMPLE.fullmatch(line)
-            assert m is not None, f"not a sample line: {line!r}"
-            name, raw_labels, raw_value = m.groups()
-            assert name in families, f"sample before its HELP/TYPE: {line}"
-            labels: list[tuple[str, str]] = []
-            rest = raw_labels or ""
-            while rest:
-                lm = _LABEL.match(rest)
-                assert lm is not None, f"bad labels in {line!r}"
-                labels.append((lm.group(1), _unescape(lm.group(2))))
-                rest = rest[lm.end() :]
-            value = {"+Inf": math.inf, "-Inf": -math.inf, "NaN": math.nan}.get(raw_value)
-            families[name].samples[tuple(labels)] = float(raw_value) if value is None else value
-    return families
-
-
-async def scrape(url: str) -> dict[str, Family]:
-    reply = await http_get(url + "/metrics")
-    assert reply.status == 200
-    assert reply.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-    return parse(reply.text)
-
-
-def value(families: dict[str, Family], name: str, **labels: str) -> float:
-    return families[name].samples[tuple(labels.items())]
-
-
-# -- the text format -----------------------------------------------------------------
-
-
-def test_label_values_and_help_are_escaped_and_round_trip() -> None:
-    tricky = 'a "quoted" back\\slash\nnewline'
-    text = render(
-        [
-            MetricFamily("x_total", "counter", "help with \\ and\nnewline").add(3, label=tricky),
-            MetricFamily("y", "gauge", "plain").add(0.25),
-        ]
-    )
-    assert 'x_total{label="a \\"quoted\\" back\\\\slash\\nnewline"} 3\n' in text
-    assert "# HELP x_total help with \\\\ and\\nnewline\n" in text
-    families = parse(text)
-    assert families["x_total"].help == "help with \\ and\nnewline"
-    assert families["x_total"].type == "counter"
-    assert value(families, "x_total", label=tricky) == 3
-    assert value(families, "y") == 0.25
-
-
-def test_values_are_formatted_as_prometheus_numbers() -> None:
-    assert [format_value(v) for v in (3, 2.0, 0.5, 1e-7, math.inf, -math.inf)] == [
-        "3",
-        "2",
-        "0.5",
-        "1e-07",
-        "+Inf",
-        "-Inf",
-    ]
-    assert format_value(math.nan) == "NaN"
-
-
-def test_lag_is_measured_from_the_commit_time_of_the_newest_report() -> None:
-    report = {
-        "lastTimings": {"sendTimeMs": 1000, "commitTimeMs": 1500, "receiveTimeMs": 1600},
-        "nextSendTimeMs": 31000,
-    }
-    assert lag_seconds(report, 4.0) == 2.5
-    assert lag_seconds({"nextSendTimeMs": 31000}, 4.0) is None  # the initial report
-    assert lag_seconds(None, 4.0) is None
-
-
-# -- a running streamer ---------------------------------------------------------------
+# -- a running streamer --------------------------------------------------------------
 
 
 @dataclass
@@ -146,25 +32,6 @@ class Running:
     source: MemoryChangeSource
     url: str
     wall: list[float]
-
-
-def txn(w: str, n: int) -> list[list[Any]]:
-    rows: list[list[Any]] = [
-        [
-            "data",
-            {
-                "tag": "insert",
-                "relation": {"schema": "public", "name": "t", "rowKey": {"columns": ["id"]}},
-                "new": {"id": i},
-            },
-        ]
-        for i in range(n)
-    ]
-    return [
-        ["begin", {"tag": "begin"}, {"commitWatermark": w}],
-        *rows,
-        ["commit", {"tag": "commit"}, {"watermark": w}],
-    ]
 
 
 @pytest.fixture
@@ -185,40 +52,51 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
         await db.dispose()
 
 
-EXPECTED = {
-    "changestreamer_running": "gauge",
-    "changestreamer_subscribers": "gauge",
-    "changestreamer_event_loop_lag_seconds": "gauge",
-    "changestreamer_subscriber_backlog_bytes": "gauge",
-    "changestreamer_subscriber_max_backlog_bytes": "gauge",
-    "changestreamer_subscriber_pending_messages": "gauge",
-    "changestreamer_storer_queued_bytes": "gauge",
-    "changestreamer_flow_control_waits_total": "counter",
-    "changestreamer_flow_control_wait_seconds_total": "counter",
-    "changestreamer_transactions_total": "counter",
-    "changestreamer_changes_total": "counter",
-    "changestreamer_change_log_rows": "gauge",
-    "changestreamer_backup_wedged": "gauge",
-    "changestreamer_snapshot_reservations_open": "gauge",
-    "changestreamer_change_log_purged_rows_total": "counter",
-    "changestreamer_change_log_bytes": "gauge",
+# The library's process and Python collectors (Linux has /proc).
+PROCESS = {
+    "process_cpu_seconds": "counter",
+    "process_resident_memory_bytes": "gauge",
+    "process_open_fds": "gauge",
+    "process_start_time_seconds": "gauge",
+    "python_info": "gauge",
+    "python_gc_objects_collected": "counter",
+    "python_gc_collections": "counter",
 }
 
 
-async def test_metrics_have_help_and_type_and_move_with_the_stream(running: Running) -> None:
-    stream = await asyncio.wait_for(running.source.wait_for_stream(), 10)
-    before = await scrape(running.url)
-    assert {name: f.type for name, f in before.items()} == EXPECTED  # no lag report yet
-    assert all(f.help for f in before.values())
-    assert value(before, "changestreamer_running") == 1
-    assert value(before, "changestreamer_subscribers", state="active") == 0
-    assert value(before, "changestreamer_subscribers", state="queued") == 0
-    assert value(before, "changestreamer_flow_control_waits_total", mode="all-subscribers") == 0
-    assert value(before, "changestreamer_flow_control_waits_total", mode="consensus-timeout") == 0
-    assert value(before, "changestreamer_transactions_total") == 0
-    assert value(before, "changestreamer_changes_total") == 0
-    assert value(before, "changestreamer_change_log_rows") == 2  # the replica version's seed
+def ours(families: Scrape) -> dict[str, str]:
+    return {name: f.type for name, f in families.items() if name.startswith("changestreamer_")}
 
+
+async def test_families_have_help_types_and_the_process_and_python_ones(
+    running: Running,
+) -> None:
+    await asyncio.wait_for(running.source.wait_for_stream(), 10)
+    families = await scrape(running.url)
+    assert ours(families) == EXPECTED  # no lag report, no backup yet
+    assert {n: families[n].type for n in PROCESS} == PROCESS
+    assert all(f.help for f in families.values())
+    assert value(families, "changestreamer_running") == 1
+    assert value(families, "changestreamer_subscribers", state="active") == 0
+    assert value(families, "changestreamer_subscribers", state="queued") == 0
+    for mode in ("all-subscribers", "consensus-timeout"):
+        assert value(families, "changestreamer_flow_control_waits_total", mode=mode) == 0
+        timed = histogram(families, "changestreamer_flow_control_wait_duration_seconds", mode=mode)
+        assert timed.count == 0
+    assert value(families, "changestreamer_transactions_total") == 0
+    assert value(families, "changestreamer_changes_total") == 0
+    assert value(families, "changestreamer_change_log_rows") == 2  # the replica version's seed
+    for name in (
+        "changestreamer_commit_forward_latency_seconds",
+        "changestreamer_change_log_group_commit_rows",
+        "changestreamer_catchup_duration_seconds",
+    ):
+        assert histogram(families, name).count == 0
+    assert value(families, "process_resident_memory_bytes") > 0
+
+
+async def test_counters_and_histograms_move_with_the_stream(running: Running) -> None:
+    stream = await asyncio.wait_for(running.source.wait_for_stream(), 10)
     running.service.subscribe(
         SubscriberContext(
             protocol_version=6,
@@ -228,23 +106,64 @@ async def test_metrics_have_help_and_type_and_move_with_the_stream(running: Runn
             watermark=REPLICA_VERSION,
         )
     )
-    # Live from here on: what follows goes straight to its channel, not to a
-    # catch-up backlog (the pending-messages gauge counts the channel).
-    for _ in range(500):
-        if not any(s.backlogged for s in running.service.forwarder.active):
-            break
-        await asyncio.sleep(0.01)
-    stream.push_all(txn("02", 3))
-    await asyncio.wait_for(running.service.storer.wait_durable("02"), 10)
+    # Its catch-up (nothing to read: the log holds only the seed) ends once.
+    await eventually(
+        running.url,
+        lambda f: histogram(f, "changestreamer_catchup_duration_seconds").count == 1,
+        "the catch-up",
+    )
+    # Three transactions, committed upstream 0.25 s before they arrive (the
+    # upstream's clock: the wall clock here).
+    committed_ms = time.time() * 1000 - 250
+    for n, w in enumerate(("02", "03", "04"), start=1):
+        stream.push_all(txn(w, n, commit_ms=committed_ms))
+    await asyncio.wait_for(running.service.storer.wait_durable("04"), 10)
 
-    after = await scrape(running.url)
-    assert value(after, "changestreamer_subscribers", state="active") == 1
-    assert value(after, "changestreamer_transactions_total") == 1
-    assert value(after, "changestreamer_changes_total") == 3
-    assert value(after, "changestreamer_change_log_rows") == 2 + 5  # begin, 3 inserts, commit
-    assert value(after, "changestreamer_storer_queued_bytes") == 0
+    families = await scrape(running.url)
+    assert value(families, "changestreamer_subscribers", state="active") == 1
+    assert value(families, "changestreamer_transactions_total") == 3
+    assert value(families, "changestreamer_changes_total") == 1 + 2 + 3
+    forward = histogram(families, "changestreamer_commit_forward_latency_seconds")
+    assert forward.count == 3
+    assert 3 * 0.25 <= forward.sum < 3 * 10
+    assert dict(forward.buckets)[0.2] == 0  # none under the 0.25 s they waited upstream
+    group = histogram(families, "changestreamer_change_log_group_commit_rows")
+    assert 1 <= group.count <= 3
+    assert group.sum == (1 + 2) + (2 + 2) + (3 + 2)  # every row, begins and commits too
+    assert value(families, "changestreamer_change_log_rows") == 2 + group.sum
+    assert histogram(families, "changestreamer_catchup_duration_seconds").count == 1
+    assert value(families, "changestreamer_storer_queued_bytes") == 0
     # Nobody consumes the subscriber's stream: its messages stay pending.
-    assert value(after, "changestreamer_subscriber_pending_messages") > 0
+    assert value(families, "changestreamer_subscriber_pending_messages") > 0
+
+
+async def test_commits_without_a_commit_time_are_not_measured(running: Running) -> None:
+    stream = await asyncio.wait_for(running.source.wait_for_stream(), 10)
+    stream.push_all([*txn("02", 1), *txn("03", 1, commit_ms=time.time() * 1000)])
+    await asyncio.wait_for(running.service.storer.wait_durable("03"), 10)
+    families = await scrape(running.url)
+    assert value(families, "changestreamer_transactions_total") == 2
+    assert histogram(families, "changestreamer_commit_forward_latency_seconds").count == 1
+
+
+async def test_flow_control_waits_are_counted_and_timed_by_release_mode(
+    running: Running,
+) -> None:
+    stream = await asyncio.wait_for(running.source.wait_for_stream(), 10)
+    # 40 rows of 10 KB: a flow-control checkpoint every 64 KiB, each released at
+    # once (no subscriber to wait for), the one before the newest waited on.
+    stream.push_all(txn("02", 40, pad=10_000))
+    await asyncio.wait_for(running.service.storer.wait_durable("02"), 10)
+    families = await scrape(running.url)
+    waits = value(families, "changestreamer_flow_control_waits_total", mode="all-subscribers")
+    assert waits >= 4
+    timed = histogram(
+        families, "changestreamer_flow_control_wait_duration_seconds", mode="all-subscribers"
+    )
+    assert timed.count == waits
+    assert timed.sum == pytest.approx(
+        value(families, "changestreamer_flow_control_wait_seconds_total")
+    )
 
 
 async def test_lag_appears_once_a_lag_report_with_timings_arrived(running: Running) -> None:
@@ -262,11 +181,10 @@ async def test_lag_appears_once_a_lag_report_with_timings_arrived(running: Runni
         [*txn("02", 1), ["status", {"ack": False, "lagReport": report}, {"watermark": "02"}]]
     )
     await asyncio.wait_for(running.service.storer.wait_durable("02"), 10)
-    for _ in range(500):  # the status follows the commit through the same loop
-        families = await scrape(running.url)
-        if "changestreamer_lag_seconds" in families:
-            break
-        await asyncio.sleep(0.01)
+    # The status follows the commit through the same loop.
+    families = await eventually(
+        running.url, lambda f: "changestreamer_lag_seconds" in f, "the lag gauge"
+    )
     assert families["changestreamer_lag_seconds"].type == "gauge"
     assert value(families, "changestreamer_lag_seconds") == 5.0
     running.wall[0] += 7
@@ -284,16 +202,37 @@ async def test_backup_lag_appears_once_a_backup_watermark_is_known(running: Runn
     assert value(families, "changestreamer_backup_lag_seconds") == 0.0
 
 
-async def test_without_a_service_only_running_zero_is_exposed() -> None:
+async def test_without_a_service_only_running_zero_and_the_process_are_exposed() -> None:
     app = FastAPI()
     app.include_router(metrics_router(lambda: None))
     async with serve(app) as url:
         families = await scrape(url)
-    assert list(families) == ["changestreamer_running"]
+    assert ours(families) == {"changestreamer_running": "gauge"}
     assert value(families, "changestreamer_running") == 0
+    assert set(PROCESS) <= set(families)
 
 
-# -- the change-log row count is cheap ---------------------------------------------
+async def test_an_openmetrics_scraper_gets_openmetrics() -> None:
+    app = FastAPI()
+    app.include_router(metrics_router(lambda: None))
+    async with serve(app) as url:
+        reply = await http_get(url + "/metrics", {"Accept": "application/openmetrics-text"})
+    assert reply.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert reply.text.endswith("# EOF\n")
+    assert "changestreamer_running 0.0\n" in reply.text
+
+
+# -- the values behind them ----------------------------------------------------------
+
+
+def test_lag_is_measured_from_the_commit_time_of_the_newest_report() -> None:
+    report = {
+        "lastTimings": {"sendTimeMs": 1000, "commitTimeMs": 1500, "receiveTimeMs": 1600},
+        "nextSendTimeMs": 31000,
+    }
+    assert lag_seconds(report, 4.0) == 2.5
+    assert lag_seconds({"nextSendTimeMs": 31000}, 4.0) is None  # the initial report
+    assert lag_seconds(None, 4.0) is None
 
 
 class CountingLog:
@@ -308,6 +247,9 @@ class CountingLog:
             raise self.error
         return self.rows
 
+    async def size_bytes(self) -> int:
+        return self.rows * 100
+
 
 async def test_the_row_count_is_reused_within_its_ttl_and_recounted_after() -> None:
     now = [100.0]
@@ -315,6 +257,7 @@ async def test_the_row_count_is_reused_within_its_ttl_and_recounted_after() -> N
     log = CountingLog(10)
     change_log = cast(ChangeLog, log)
     assert await rows.get(change_log) == 10
+    assert (rows.last(change_log), rows.bytes) == (10, 1000)
     log.rows = 11
     now[0] += 29.9
     assert await rows.get(change_log) == 10
@@ -327,8 +270,10 @@ async def test_the_row_count_is_reused_within_its_ttl_and_recounted_after() -> N
 async def test_a_failing_row_count_leaves_the_sample_out(caplog: pytest.LogCaptureFixture) -> None:
     rows = ChangeLogRows(ttl_s=0, timeout_s=5)
     log = CountingLog(10)
+    change_log = cast(ChangeLog, log)
     log.error = RuntimeError("db down")
-    assert await rows.get(cast(ChangeLog, log)) is None
+    assert await rows.get(change_log) is None
+    assert rows.last(change_log) is None
     assert "db down" in caplog.text
     log.error = None
-    assert await rows.get(cast(ChangeLog, log)) == 10
+    assert await rows.get(change_log) == 10

@@ -90,6 +90,8 @@ async def test_majority_arms_one_proportional_timer_and_releases_at_it() -> None
     assert b.done.result() == "consensus-timeout"
     assert subs[4][0].missed_last_timeout
     assert not subs[0][0].missed_last_timeout
+    # Counted for /statz and /dashboard: releases that went on without it.
+    assert [sub.missed_releases for sub, _ in subs] == [0, 0, 0, 0, 1]
 
 
 async def test_everyone_completing_first_wins_and_clears_the_timer() -> None:

@@ -14,7 +14,8 @@
 
 The replica is built in ``<file>.syncing`` and renamed into place only when it is
 complete, so a failed sync leaves no half-made replica; the slot is dropped too.
-Progress (rows, bytes, rate, ETA per large table) is logged every few seconds.
+Progress (rows, bytes, rate, ETA per table that takes more than a few seconds) is a
+live bar on a terminal and a log line every few seconds otherwise (app/progress.py).
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import psycopg
 from psycopg import sql as pgsql
 
+from app.progress import Job, ProgressView
 from app.replica import metadata
 from app.replica.ddl import (
     create_index_statement,
@@ -71,10 +73,8 @@ from app.sources.postgres.values import (
 
 __all__ = [
     "InitialSyncError",
-    "Progress",
     "SyncResult",
     "initial_sync",
-    "progress_line",
 ]
 
 log = logging.getLogger(__name__)
@@ -83,9 +83,6 @@ DEFAULT_WORKERS: Final = 3
 BATCH_ROWS: Final = 5_000
 # Copy threads wait this long for the replica's write lock (another thread's batch).
 LITE_BUSY_TIMEOUT_S: Final = 600.0
-PROGRESS_EVERY_S: Final = 5.0
-# A table is worth progress lines above this many estimated rows.
-LARGE_TABLE_ROWS: Final = 100_000
 
 T = TypeVar("T")
 
@@ -104,16 +101,6 @@ class SyncResult:
     initial_schema: PublishedSchema
     rows: int
     seconds: float
-
-
-@dataclass(slots=True)
-class Progress:
-    table: str
-    estimated_rows: int
-    rows: int = 0
-    bytes: int = 0
-    started: float = field(default_factory=time.monotonic)
-    done: bool = False
 
 
 async def initial_sync(
@@ -200,14 +187,20 @@ async def _copy_into(
         # Tables and metadata are committed first: the copy threads write the rows
         # through connections of their own.
         await lite.run(_create_tables, schema, slot.replica_version, publications)
+        # A job per table; a copy thread restarts its clock when the table's turn comes.
         progress = [
-            Progress(lite_table_name(t["schema"], t["name"]), estimates.get(t["oid"], 0))
+            Job(
+                f"initial sync of {lite_table_name(t['schema'], t['name'])}",
+                total=estimates.get(t["oid"]) or None,
+                waiting=True,
+            )
             for t in schema["tables"]
         ]
         pending = list(zip(schema["tables"], progress, strict=True))
         n_workers = max(1, min(workers, len(pending)))
         stop = threading.Event()
-        reporter = asyncio.create_task(_report(progress))
+        view = ProgressView()
+        reporter = asyncio.create_task(view.run())
         loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(n_workers, thread_name_prefix="initial-sync-copy") as pool:
             copiers = [
@@ -233,7 +226,7 @@ async def _copy_into(
                     await reporter
         await lite.run(_create_indexes, schema)
         await lite.run(_commit)
-        return schema, sum(p.rows for p in progress)
+        return schema, int(sum(p.done for p in progress))
     finally:
         await lite.close()
 
@@ -263,7 +256,7 @@ async def _estimates(conn: psycopg.AsyncConnection[Any], tables: list[TableSpec]
 def _copy_tables(
     url: str,
     snapshot: str,
-    pending: list[tuple[TableSpec, Progress]],
+    pending: list[tuple[TableSpec, Job]],
     registry: TypeRegistry,
     staging: Path,
     stop: threading.Event,
@@ -296,16 +289,16 @@ def _copy_table(
     conn: psycopg.Connection[Any],
     lite: sqlite3.Connection,
     table: TableSpec,
-    progress: Progress,
+    progress: Job,
     registry: TypeRegistry,
     stop: threading.Event,
 ) -> None:
-    name = progress.table
-    progress.started = time.monotonic()
+    name = lite_table_name(table["schema"], table["name"])
+    progress.begin()
     columns = sorted(table["columns"].items(), key=lambda kv: kv[1]["pos"])
     names = [c for c, _ in columns]
     if not names:
-        progress.done = True  # SQLite has no zero-column tables; nothing to copy
+        progress.finish()  # SQLite has no zero-column tables; nothing to copy
         return
     lite_columns = lite_table_columns(name, table["columns"])
     # Only the columns whose text is not already the stored value need a call per row.
@@ -326,7 +319,7 @@ def _copy_table(
     n = len(names)
     rows: list[list[Any]] = []
     for line in copy_out_rows(conn, query.as_bytes(conn)):
-        progress.bytes += len(line)
+        progress.bytes += len(line)  # a plain int add: the view reads it from the loop
         row: list[Any] = parse_copy_line(line, n)
         for i, conv in converters:
             value = row[i]
@@ -335,14 +328,14 @@ def _copy_table(
         rows.append(row)
         if len(rows) >= BATCH_ROWS:
             _insert_batch(lite, insert, rows)
-            progress.rows += len(rows)
+            progress.done += len(rows)
             rows = []
             if stop.is_set():
                 raise InitialSyncError("stopped: another table's copy failed")
     if rows:
         _insert_batch(lite, insert, rows)
-        progress.rows += len(rows)
-    progress.done = True
+        progress.done += len(rows)
+    progress.finish()
 
 
 def _insert_batch(lite: sqlite3.Connection, insert: str, rows: list[list[Any]]) -> None:
@@ -386,30 +379,6 @@ def _converter(
         return lite_value(parse(text), lite_type, JSON_STRINGIFIED)
 
     return convert
-
-
-async def _report(progress: list[Progress]) -> None:
-    while True:
-        await asyncio.sleep(PROGRESS_EVERY_S)
-        now = time.monotonic()
-        for p in progress:
-            line = progress_line(p, now)
-            if line is not None:
-                log.info("%s", line)
-
-
-def progress_line(p: Progress, now: float) -> str | None:
-    """One table's progress, for tables large enough to be worth watching."""
-    if p.done or p.rows == 0 or p.estimated_rows < LARGE_TABLE_ROWS:
-        return None
-    elapsed = now - p.started
-    rate = p.rows / elapsed if elapsed > 0 else 0.0
-    left = max(p.estimated_rows - p.rows, 0)
-    eta = f"{left / rate:.0f} s" if rate > 0 else "?"
-    return (
-        f"initial sync: {p.table}: {p.rows:,} of ~{p.estimated_rows:,} rows, "
-        f"{p.bytes / 1e6:.1f} MB, {rate:,.0f} rows/s, ETA {eta}"
-    )
 
 
 # -- the SQLite side, all on one thread ------------------------------------------

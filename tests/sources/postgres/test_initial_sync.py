@@ -10,12 +10,7 @@ import psycopg
 import pytest
 
 from app.replica.schema import read_replica_state
-from app.sources.postgres.initial_sync import (
-    InitialSyncError,
-    Progress,
-    initial_sync,
-    progress_line,
-)
+from app.sources.postgres.initial_sync import InitialSyncError, initial_sync
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import check_replica, drop_slot
 
@@ -125,14 +120,3 @@ async def test_a_failed_sync_drops_its_slot_and_leaves_no_replica(
             "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s", (f"{APP}_%",)
         )
         assert await cur.fetchone() == (0,)
-
-
-def test_progress_lines_show_rows_bytes_rate_and_eta_for_large_tables() -> None:
-    p = Progress("big", estimated_rows=1_000_000, rows=250_000, bytes=30_000_000, started=100.0)
-    assert progress_line(p, now=105.0) == (
-        "initial sync: big: 250,000 of ~1,000,000 rows, 30.0 MB, 50,000 rows/s, ETA 15 s"
-    )
-    # Small tables and finished ones stay quiet.
-    assert progress_line(Progress("small", estimated_rows=5_000, rows=10), now=1e9) is None
-    p.done = True
-    assert progress_line(p, now=105.0) is None

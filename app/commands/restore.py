@@ -1,0 +1,41 @@
+"""``changestreamer restore``: a replica file from its litestream backup, atomically."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from app.backup.process import check_version
+from app.backup.restore import restore_replica
+from app.commands import CommandError
+from app.commands.startup import read_settings, start_logging
+from app.runtime.backups import BackupConfigError, RestoreError, litestream_options
+
+__all__ = ["run_restore"]
+
+
+def run_restore(args: argparse.Namespace) -> int:
+    """Restores the backup into the replica file (refusing to replace one without ``--force``)."""
+    settings = read_settings(change_db=False)
+    start_logging(settings)
+    updates: dict[str, object] = {}
+    if args.backup_url:
+        updates["litestream_backup_url"] = args.backup_url
+    replica = args.replica or settings.replica_file
+    try:
+        options = litestream_options(settings.model_copy(update=updates), replica)
+        if replica.exists() and not args.force:
+            raise CommandError(f"{replica} exists; pass --force to replace it", 2)
+        if not replica.parent.is_dir():
+            raise CommandError(f"directory {replica.parent} does not exist", 2)
+        asyncio.run(check_version(options.executable))
+        restored = asyncio.run(restore_replica(options, replica_version=args.replica_version))
+    except (BackupConfigError, RestoreError) as e:
+        raise CommandError(str(e), 1) from None
+    if restored is None:
+        raise CommandError(f"no backup at {options.backup_url}", 1)
+    print(
+        f"restored {replica}: replica version {restored.state.replica_version} at "
+        f"{restored.state.state_version}, {restored.bytes} bytes in {restored.seconds:.1f} s"
+    )
+    return 0

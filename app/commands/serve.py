@@ -1,0 +1,298 @@
+"""``changestreamer serve``: migrate the change DB, then run the service under uvicorn.
+
+The change source is the demo's, Postgres (``ZERO_UPSTREAM_DB``) or a custom one
+(``ZERO_UPSTREAM_TYPE=custom``); after an auto-reset (the source needs a new
+replica) the replica and the service are built again, at most ``MAX_AUTO_RESETS``
+times in a row.
+
+Ctrl-C (SIGINT) or SIGTERM shuts down gracefully: streams end, requests still
+running get ``CHANGESTREAMER_SHUTDOWN_TIMEOUT_SECONDS``, the storer drains. A
+second Ctrl-C during that shutdown exits at once with one line (``_Server``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+
+from app import speedups
+from app.commands import CommandError
+from app.commands.migrate import migrate_change_db, open_change_db
+from app.commands.startup import read_settings, start_logging
+from app.config import Settings
+from app.replica.errors import ReplicaError
+from app.runtime.backups import (
+    BackupConfigError,
+    RestoreError,
+    check_backup_settings,
+    start_backups,
+)
+from app.runtime.custom import (
+    PreparedCustom,
+    check_custom_settings,
+    custom_service,
+    prepare_custom_upstream,
+)
+from app.runtime.gc_tuning import before_exit, tune_for_streaming
+from app.runtime.memory import return_large_frees, trim_periodically
+from app.runtime.options import streamer_options, task_id
+from app.runtime.postgres import (
+    PreparedUpstream,
+    UpstreamSetupError,
+    postgres_service,
+    prepare_upstream,
+)
+from app.server.admin import AdminAuth, check_startup
+from app.server.app import create_app
+from app.server.http_protocol import GuardedHttpProtocol
+from app.server.log_lines import limit_lines
+from app.server.ws_protocol import LivenessProtocol
+from app.sources.demo import DemoChangeSource
+from app.storage import (
+    AutoResetSignal,
+    ChangeDb,
+    Replication,
+    SubscriptionState,
+)
+from app.streamer.service import ChangeStreamerService
+
+__all__ = ["demo_service", "discovery_address", "run_serve"]
+
+log = logging.getLogger("changestreamer")
+
+# The demo has no replica to sync: its change log starts at this version.
+DEMO_REPLICA_VERSION = "01"
+# serve rebuilds replica and service after an auto-reset, this many times in a row at most.
+MAX_AUTO_RESETS = 3
+_AUTO_RESET = -1
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Checks the settings and the backup, migrates the change DB, serves until stopped."""
+    settings = read_settings(change_db=True)
+    refusal = check_startup(settings.admin_password, settings.development)
+    refusal = refusal or check_custom_settings(settings)
+    if refusal is not None:
+        raise CommandError(refusal, 2)
+    start_logging(settings)
+    try:  # before the change DB is touched: a backup that cannot work stops here
+        notes = asyncio.run(check_backup_settings(settings))
+    except BackupConfigError as e:
+        raise CommandError(str(e), 2) from None
+    for note in notes:
+        log.info("%s", note)
+    db = migrate_change_db(settings)
+    log.info("speedups: %s", speedups.summary())  # which C helpers run (app/speedups.py)
+    return _serve(settings, db, host=args.host, port=args.port)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, where a second Ctrl-C ends the process at once, quietly.
+
+    uvicorn answers a second SIGINT during the graceful shutdown with a forced exit
+    that skips the application's shutdown and then dies in a KeyboardInterrupt,
+    printing the traceback of everything it cancelled. Here the process exits on
+    the spot instead: the change DB is crash-safe (a transaction not committed is
+    not there), and the children notice (``app/supervise.py``: EOF on their stdin).
+    ``handle_exit`` is uvicorn's signal handler (a public method; uvicorn is pinned
+    in pyproject.toml).
+    """
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGINT and self.should_exit:  # uvicorn's test for a force-quit
+            sys.stdout.flush()
+            print(
+                "changestreamer: interrupted again: exiting without finishing the shutdown",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(128 + signal.SIGINT)
+        super().handle_exit(sig, frame)
+
+
+def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | None) -> int:
+    """Runs the server; after an auto-reset (a new replica is needed) builds it all again."""
+    for attempt in range(MAX_AUTO_RESETS + 1):
+        if attempt:
+            log.warning("auto-reset: re-syncing the replica and restarting the service")
+            db = open_change_db(settings)
+        outcome = _serve_once(settings, db, host=host, port=port)
+        if outcome != _AUTO_RESET:
+            return outcome
+    log.error("auto-reset %d times in a row; giving up", MAX_AUTO_RESETS)
+    return 1
+
+
+def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int | None) -> int:
+    listen_host = host or settings.change_streamer_host
+    listen_port = port or settings.listen_port
+    address = discovery_address(settings, listen_host, listen_port)
+    prepared: PreparedUpstream | PreparedCustom | None = None
+    if settings.upstream_db:
+        try:
+            prepared = asyncio.run(_prepare(settings, db))
+        except (UpstreamSetupError, ReplicaError, RestoreError, BackupConfigError) as e:
+            print(f"changestreamer: {e}", file=sys.stderr)
+            return 1
+        except AutoResetSignal as e:  # a custom source's initial sync asked for it
+            if not settings.auto_reset:
+                print(f"changestreamer: the change source requires a reset: {e}", file=sys.stderr)
+                return 1
+            log.warning("the change source requires a reset during the initial sync: %s", e)
+            return _AUTO_RESET
+    # After a restore (Postgres only): the previous owner keeps its log until we own it.
+    held = prepared.held_reservation if isinstance(prepared, PreparedUpstream) else None
+    server: _Server | None = None
+    built: list[ChangeStreamerService] = []
+    releasers: set[asyncio.Task[None]] = set()
+
+    def shut_down() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    async def build_service() -> ChangeStreamerService:
+        if prepared is None:
+            service = await demo_service(settings, db, address=address)
+        else:
+            runtime = (
+                await custom_service(settings, db, prepared, address=address)
+                if isinstance(prepared, PreparedCustom)
+                else await postgres_service(settings, db, prepared, address=address)
+            )
+            if settings.follow_replica:
+                runtime.start_backup(
+                    settings.change_db_url,
+                    settings.shard,
+                    log_level="debug" if settings.log_level == "debug" else "warning",
+                )
+            service = runtime.service
+        start_backups(service, settings, replica_file=settings.replica_file if prepared else None)
+        if held is not None:
+
+            async def release_once_owner() -> None:
+                await service.owning.wait()
+                await asyncio.to_thread(held.release)
+
+            releasers.add(asyncio.create_task(release_once_owner(), name="release reservation"))
+        # Free heap pages back to the OS now and then (app/runtime/memory.py); the
+        # loop cancels it at exit.
+        releasers.add(asyncio.create_task(trim_periodically(), name="malloc trim"))
+        built.append(service)
+        return service
+
+    # httptools, with bounds on requests still arriving (app/server/http_protocol.py);
+    # /metrics shows what they did.
+    http_protocol = GuardedHttpProtocol.with_limits(
+        settings.max_pending_handshakes,
+        settings.handshake_timeout_s,
+        settings.max_handshakes_per_s,
+    )
+    app = create_app(
+        db,
+        service_factory=build_service,
+        startup_delay_s=settings.startup_delay_ms / 1000,
+        on_service_exit=shut_down,
+        auth=AdminAuth(settings.admin_password, settings.operator_password, settings.development),
+        keepalive_timeout_s=(settings.keepalive_timeout_ms or 0) / 1000 or None,
+        on_keepalive_expired=shut_down,
+        connection_limits=http_protocol.limits,
+    )
+    config = uvicorn.Config(
+        app,
+        host=listen_host,
+        port=listen_port,
+        ws_per_message_deflate=False,
+        # uvicorn's sans-I/O websockets, with zero's liveness rule: a pong *or* any
+        # inbound frame keeps a peer alive (app/server/ws_protocol.py).
+        ws=LivenessProtocol.with_queue_limit(settings.subscriber_max_queued_bytes),
+        http=http_protocol,
+        # Pings at most every 30 s (zero's clients drop a silent socket after 33 s);
+        # a generous pong timeout, since a busy replica may answer late.
+        ws_ping_interval=20,
+        ws_ping_timeout=60,
+        log_level=settings.log_level,
+        log_config=None,  # no handlers of uvicorn's: its lines go through ours (app/logs.py)
+        lifespan="on",
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
+    )
+    limit_lines()  # after uvicorn configured its loggers (Config does)
+    server = _Server(config)
+    tune_for_streaming()
+    return_large_frees()
+    try:
+        server.run()
+    finally:
+        if held is not None:
+            held.release()
+        before_exit()
+    failure = built[0].failure if built else None
+    if failure is None:
+        return 0
+    if isinstance(failure, AutoResetSignal) and settings.auto_reset and prepared is not None:
+        return _AUTO_RESET
+    print(f"changestreamer: the change streamer stopped: {failure}", file=sys.stderr)
+    return 1
+
+
+async def _prepare(settings: Settings, db: ChangeDb) -> PreparedUpstream | PreparedCustom:
+    try:
+        if settings.upstream_type == "custom":
+            return await prepare_custom_upstream(settings, db)
+        return await prepare_upstream(settings, db)
+    finally:
+        await db.dispose()  # the server runs its own event loop and pools
+
+
+def discovery_address(settings: Settings, host: str, port: int) -> str:
+    """The address written to ``replicationState.ownerAddress`` for view-syncers.
+
+    ``ZERO_CHANGE_STREAMER_ADDRESS`` if set; else the listen address, with a
+    wildcard listen address replaced by this host's IP (a wildcard is not a place
+    to connect to). With ``ZERO_CHANGE_STREAMER_PROTOCOL=wss`` it is prefixed with
+    ``wss://`` as zero does (``ws`` stays bare, for view-syncers that expect no
+    scheme), unless the address already names a scheme.
+    """
+    address = settings.change_streamer_address
+    if not address:
+        if host in ("0.0.0.0", "::", ""):
+            try:
+                host = socket.gethostbyname(socket.gethostname())
+            except OSError:
+                host = "127.0.0.1"
+        address = f"{host}:{port}"
+    if settings.change_streamer_protocol == "wss" and "://" not in address:
+        return f"wss://{address}"
+    return address
+
+
+async def demo_service(settings: Settings, db: ChangeDb, *, address: str) -> ChangeStreamerService:
+    """The service over the demo source, with the change log tied to its replica version."""
+
+    replication = Replication(db)
+    existing = await replication.config()
+    replica_version = existing.replica_version if existing is not None else DEMO_REPLICA_VERSION
+    state = await replication.state()
+    watermark = state.last_watermark if state is not None else replica_version
+    await replication.ensure_config(
+        SubscriptionState(replica_version, tuple(settings.app_publications), watermark),
+        auto_reset=settings.auto_reset,
+    )
+    state = await replication.state()
+    assert state is not None
+    return ChangeStreamerService(
+        db=db,
+        source=DemoChangeSource(settings.demo_state_file, rate_per_s=settings.demo_rate_per_s),
+        task_id=task_id(settings),
+        address=address,
+        replica_version=replica_version,
+        durable_watermark=state.last_watermark,
+        options=streamer_options(settings),
+    )
