@@ -39,8 +39,6 @@ async def get(url: str, password: str | None = None) -> Reply:
     return await http_get(url, basic(password) if password is not None else None)
 
 
-
-
 async def eventually(check: Callable[[], bool], what: str) -> None:
     """Until ``check()`` holds; fails after ``TIMEOUT_S``."""
     for _ in range(int(TIMEOUT_S / 0.01)):
