@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import psycopg
-from psycopg import errors as pgerrors
 from psycopg import sql as pgsql
 
 from app.protocol import canonical_json
@@ -316,16 +315,16 @@ def _import_snapshot_of_new_slot(
     return lsn_to_watermark(str(consistent_point))
 
 
+# undefined_table, undefined_column
+_SCHEMA_SQLSTATES: Final = frozenset({"42P01", "42703"})
+
+
 def _schema_error_or(e: CopyOutError, request: BackfillRequest) -> Exception:
     # Some ALTER TABLE forms are not MVCC-safe: the snapshot can still miss a column
     # or table that the schema check saw. Such failures are schema changes too.
-    cause = e.__cause__
-    if isinstance(cause, pgerrors.UndefinedTable | pgerrors.UndefinedColumn):
-        return BackfillSchemaError(f"{_describe(request)}: {cause}")
-    text = str(e)
-    if "does not exist" in text:
-        return BackfillSchemaError(f"{_describe(request)}: {text}")
-    return ChangeSourceError(f"{_describe(request)}: {text}")
+    if e.sqlstate in _SCHEMA_SQLSTATES:
+        return BackfillSchemaError(f"{_describe(request)}: {e}")
+    return ChangeSourceError(f"{_describe(request)}: {e}")
 
 
 def _describe(request: BackfillRequest) -> str:

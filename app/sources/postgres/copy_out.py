@@ -19,7 +19,12 @@ __all__ = ["CopyOutError", "copy_out_rows"]
 
 
 class CopyOutError(Exception):
-    """The COPY failed (the server's message), or the connection was lost."""
+    """The COPY failed (the server's message, and its SQLSTATE when it sent one), or
+    the connection was lost (``sqlstate`` None)."""
+
+    def __init__(self, message: str, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
 
 
 def copy_out_rows(conn: psycopg.Connection[Any], query: bytes) -> Iterator[bytes]:
@@ -29,7 +34,7 @@ def copy_out_rows(conn: psycopg.Connection[Any], query: bytes) -> Iterator[bytes
         pg.send_query(query)
         result = pg.get_result()
         if result is None or result.status != pq.ExecStatus.COPY_OUT:
-            raise CopyOutError(_message(result, "COPY did not start"))
+            raise CopyOutError(_message(result, "COPY did not start"), _sqlstate(result))
         while True:
             n, data = pg.get_copy_data(0)  # blocking
             if n < 0:
@@ -37,11 +42,11 @@ def copy_out_rows(conn: psycopg.Connection[Any], query: bytes) -> Iterator[bytes
             yield bytes(data)
         final = pg.get_result()
         if final is None or final.status != pq.ExecStatus.COMMAND_OK:
-            raise CopyOutError(_message(final, "COPY did not finish"))
+            raise CopyOutError(_message(final, "COPY did not finish"), _sqlstate(final))
         while pg.get_result() is not None:  # the end marker after the last result
             pass
     except psycopg.Error as e:
-        raise CopyOutError(f"connection lost during COPY: {e}") from e
+        raise CopyOutError(f"connection lost during COPY: {e}", e.sqlstate) from e
 
 
 def _message(result: pq.abc.PGresult | None, default: str) -> str:
@@ -49,3 +54,10 @@ def _message(result: pq.abc.PGresult | None, default: str) -> str:
         return default
     text = result.error_message.decode(errors="replace").strip()
     return text or f"{default} (status {pq.ExecStatus(result.status).name})"
+
+
+def _sqlstate(result: pq.abc.PGresult | None) -> str | None:
+    if result is None:
+        return None
+    code = result.error_field(pq.DiagnosticField.SQLSTATE)
+    return code.decode() if code else None
