@@ -11,7 +11,9 @@ run for at least ``after_s`` seconds (short work stays silent):
   log format (``app/logs.py``).
 
 One view per long operation; :meth:`ProgressView.run` is a task the operation
-cancels when it is done (``async with view:`` does both).
+cancels when it is done (``async with view:`` does both). A view that lasts as long
+as a service (its catch-ups) is started and stopped with it and takes jobs as they
+come; a finished job leaves the view once it has been shown, so it stays bounded.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ __all__ = ["Job", "ProgressView", "describe"]
 
 log = logging.getLogger("app.progress")
 
-AFTER_S: Final = 3.0  # work shorter than this shows nothing
-EVERY_S: Final = 5.0  # a log line per job this often when not on a terminal
+AFTER_S = 3.0  # work shorter than this shows nothing
+EVERY_S = 5.0  # a log line per job this often when not on a terminal
 REDRAW_S: Final = 0.25  # terminal redraws
 
 
@@ -107,14 +109,15 @@ class ProgressView:
         self,
         jobs: list[Job] | None = None,
         *,
-        after_s: float = AFTER_S,
-        every_s: float = EVERY_S,
+        after_s: float | None = None,
+        every_s: float | None = None,
         stream: IO[str] | None = None,
         terminal: bool | None = None,
     ) -> None:
         self.jobs: list[Job] = list(jobs or [])
-        self._after_s = after_s
-        self._every_s = every_s
+        # The module's values, read now: tests shorten them for a whole operation.
+        self._after_s = AFTER_S if after_s is None else after_s
+        self._every_s = EVERY_S if every_s is None else every_s
         self._stream = stream if stream is not None else sys.stderr
         self._terminal = self._stream.isatty() if terminal is None else terminal
         self._task: asyncio.Task[None] | None = None
@@ -123,8 +126,19 @@ class ProgressView:
         self.jobs.append(job)
         return job
 
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name="progress")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     async def __aenter__(self) -> Self:
-        self._task = asyncio.create_task(self.run(), name="progress")
+        self.start()
         return self
 
     async def __aexit__(
@@ -133,10 +147,7 @@ class ProgressView:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self.stop()
 
     async def run(self) -> None:
         if self._terminal:
@@ -158,6 +169,7 @@ class ProgressView:
             for job in self._due(now):
                 fields = {"progress": job.fields(now)}
                 log.info("%s", describe(job, now), extra=log_extra(fields))
+            self.jobs = [j for j in self.jobs if not j.finished]
 
     async def _run_bars(self) -> None:
         # Imported here: rich is only needed when someone watches a terminal.
@@ -186,6 +198,7 @@ class ProgressView:
         with bars:
             while True:
                 now = time.monotonic()
+                due = {id(j) for j in self._due(now)}
                 for job in self.jobs:
                     key = id(job)
                     if key in shown:
@@ -198,12 +211,13 @@ class ProgressView:
                             total=job.total,
                             rate=f"{job.rate(now):,.0f} {job.unit}/s",
                         )
-                    elif job in self._due(now):
+                    elif key in due:
                         shown[key] = bars.add_task(
                             job.what,
                             total=job.total,
                             completed=int(job.done),
                             rate=f"{job.rate(now):,.0f} {job.unit}/s",
                         )
+                self.jobs = [j for j in self.jobs if not j.finished]
                 bars.refresh()
                 await asyncio.sleep(REDRAW_S)

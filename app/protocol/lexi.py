@@ -27,6 +27,7 @@ __all__ = [
     "lsn_to_watermark",
     "parse_state_version",
     "to_lexi",
+    "watermark_fraction",
     "watermark_to_lsn",
 ]
 
@@ -167,6 +168,23 @@ def parse_state_version(s: str) -> StateVersion:
     if "." in minor:
         raise InvalidWatermarkError(f"invalid state version {s!r}: more than one '.'")
     return StateVersion(_part(s, major, "major"), _part(s, minor, "minor"))
+
+
+def watermark_fraction(start: str | None, target: str | None, at: str | None) -> float | None:
+    """Where ``at`` stands between ``start`` and ``target`` by watermark value, 0..1.
+
+    How far a catch-up has read: Postgres watermarks are LSNs, so this is its share
+    of the WAL between the two. None when a bound is unknown or not a watermark.
+    """
+    if start is None or target is None or at is None:
+        return None
+    try:
+        low, high, now = (parse_state_version(w).major for w in (start, target, at))
+    except InvalidWatermarkError:
+        return None
+    if high <= low:
+        return 1.0
+    return round(min(1.0, max(0.0, (now - low) / (high - low))), 4)
 
 
 def _part(whole: str, part: str, name: str) -> int:

@@ -43,7 +43,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.protocol.canonical_json import dumps
-from app.protocol.lexi import InvalidWatermarkError, parse_state_version
+from app.protocol.lexi import watermark_fraction
 from app.server.admin import AdminAuth, Role, service_stats
 from app.server.dashboard_feed import SnapshotFeed
 from app.server.metric_values import MetricValues, StreamerReadings, latest_lag_report
@@ -194,25 +194,11 @@ def _subscriber(row: dict[str, Any]) -> dict[str, Any]:
     """A ``/statz`` subscriber row with its catch-up progress (0..1)."""
     catch_up = dict(row.get("catchUp") or {})
     catch_up["progress"] = (
-        catchup_progress(catch_up.get("from"), catch_up.get("to"), row.get("watermark"))
+        watermark_fraction(catch_up.get("from"), catch_up.get("to"), row.get("watermark"))
         if row.get("catchingUp")
         else 1.0
     )
     return {**row, "catchUp": catch_up}
-
-
-def catchup_progress(start: str | None, target: str | None, at: str | None) -> float | None:
-    """Where ``at`` is between ``start`` and ``target``, by watermark value (0..1);
-    None before the catch-up read started."""
-    if start is None or target is None or at is None:
-        return None
-    try:
-        low, high, now = (parse_state_version(w).major for w in (start, target, at))
-    except InvalidWatermarkError:
-        return None
-    if high <= low:
-        return 1.0
-    return round(min(1.0, max(0.0, (now - low) / (high - low))), 4)
 
 
 def _rounded(value: Any) -> Any:

@@ -14,6 +14,7 @@ from app.protocol.lexi import (
     lsn_to_watermark,
     parse_state_version,
     to_lexi,
+    watermark_fraction,
     watermark_to_lsn,
 )
 
@@ -195,3 +196,12 @@ def test_only_ints_can_be_encoded(value: object) -> None:
 def test_state_version_refuses_unencodable_parts() -> None:
     with pytest.raises(InvalidWatermarkError, match="negative"):
         StateVersion(1, -1)
+
+
+def test_catch_up_progress_is_the_position_between_start_and_target() -> None:
+    assert watermark_fraction("01", "0b", "01") == 0.0
+    assert watermark_fraction("01", "0b", "06") == 0.5
+    assert watermark_fraction("01", "0b", "0c") == 1.0  # live changes drained after it
+    assert watermark_fraction("01", "01", "01") == 1.0  # nothing to read
+    assert watermark_fraction("01", None, "01") is None  # the read has not started
+    assert watermark_fraction("01", "0b", "zz") is None  # not a watermark

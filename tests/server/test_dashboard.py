@@ -17,7 +17,7 @@ from websockets.asyncio.client import connect
 
 from app.protocol.canonical_json import loads
 from app.server.admin import AdminAuth
-from app.server.dashboard import STATIC_FILES, catchup_progress, dashboard_router
+from app.server.dashboard import STATIC_FILES, dashboard_router
 from app.server.dashboard_feed import SnapshotFeed
 
 from .conftest import REPLICA_VERSION, Server, start_server
@@ -202,15 +202,6 @@ async def test_without_a_service_the_snapshot_says_so() -> None:
     assert snapshot["subscribers"] == []
     assert snapshot["backup"]["gate"]["open"] is False
     assert set(snapshot["errors"]) == {"replication", "backup"}
-
-
-def test_catch_up_progress_is_the_position_between_start_and_target() -> None:
-    assert catchup_progress("01", "0b", "01") == 0.0
-    assert catchup_progress("01", "0b", "06") == 0.5
-    assert catchup_progress("01", "0b", "0c") == 1.0  # live changes drained after it
-    assert catchup_progress("01", "01", "01") == 1.0  # nothing to read
-    assert catchup_progress("01", None, "01") is None  # the read has not started
-    assert catchup_progress("01", "0b", "zz") is None  # not a watermark
 
 
 # -- the event stream --------------------------------------------------------------------

@@ -21,7 +21,6 @@ live bar on a terminal and a log line every few seconds otherwise (app/progress.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -199,8 +198,8 @@ async def _copy_into(
         pending = list(zip(schema["tables"], progress, strict=True))
         n_workers = max(1, min(workers, len(pending)))
         stop = threading.Event()
-        view = ProgressView()
-        reporter = asyncio.create_task(view.run())
+        view = ProgressView(progress)
+        view.start()
         loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(n_workers, thread_name_prefix="initial-sync-copy") as pool:
             copiers = [
@@ -221,9 +220,7 @@ async def _copy_into(
             finally:
                 stop.set()  # the others stop at their next batch
                 await asyncio.gather(*copiers, return_exceptions=True)
-                reporter.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reporter
+                await view.stop()
         await lite.run(_create_indexes, schema)
         await lite.run(_commit)
         return schema, int(sum(p.done for p in progress))

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import sqlite3
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 
+from app import progress
 from app.replica.schema import read_replica_state
+from app.sources.postgres import initial_sync as initial_sync_module
+from app.sources.postgres.copy_out import copy_out_rows
 from app.sources.postgres.initial_sync import InitialSyncError, initial_sync
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import check_replica, drop_slot
@@ -120,3 +127,46 @@ async def test_a_failed_sync_drops_its_slot_and_leaves_no_replica(
             "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s", (f"{APP}_%",)
         )
         assert await cur.fetchone() == (0,)
+
+
+async def test_a_long_table_copy_reports_its_progress(
+    upstream: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Progress shows after 0 s and every 20 ms here, and the copy of items waits (in
+    # its worker thread, before its first row) until the test has seen its progress
+    # line: a "long" copy whatever the machine's speed.
+    monkeypatch.setattr(progress, "AFTER_S", 0.0)
+    monkeypatch.setattr(progress, "EVERY_S", 0.02)
+    caplog.set_level(logging.INFO, logger="app.progress")
+    seen = threading.Event()
+
+    def held_copy_out_rows(conn: Any, query: bytes) -> Iterator[bytes]:
+        if b'"items"' in query:
+            assert seen.wait(30), "no progress line for items"
+        yield from copy_out_rows(conn, query)
+
+    monkeypatch.setattr(initial_sync_module, "copy_out_rows", held_copy_out_rows)
+
+    def items_line() -> logging.LogRecord | None:
+        for r in caplog.records:
+            if r.getMessage().startswith("initial sync of items: 0"):
+                return r
+        return None
+
+    async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as c:
+        await c.execute("ANALYZE items")
+    sync = asyncio.create_task(initial_sync(upstream, ShardConfig(app_id=APP), tmp_path / "r.db"))
+    async with asyncio.timeout(30):
+        while items_line() is None:
+            assert not sync.done(), sync
+            await asyncio.sleep(0.01)
+    seen.set()
+    result = await asyncio.wait_for(sync, 60)
+    assert result.rows == 2501 + 2 + 1
+    record = items_line()
+    assert record is not None
+    fields = record.__dict__["log_fields"]["progress"]  # app.logs puts extra fields there
+    assert fields["job"] == "initial sync of items"
+    assert fields["unit"] == "rows"
+    assert fields["done"] == 0
+    assert fields["total"] == 2501  # the planner's estimate: exact for an analyzed small table
