@@ -258,9 +258,18 @@ class LogHandler(logging.StreamHandler[TextIO]):
 
     def __init__(self, fmt: LogFormat, stream: TextIO | None = None) -> None:
         super().__init__(stream if stream is not None else sys.stderr)
+        # Without a stream of its own it writes to whatever sys.stderr is at each
+        # line: while progress bars are drawn (app/progress.py), rich puts a proxy
+        # there that prints the line above the bars instead of through them.
+        self._follow_stderr = stream is None
         self.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
         self.addFilter(AddFields())
         self.addFilter(RedactSecrets())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._follow_stderr:
+            self.stream = sys.stderr
+        super().emit(record)
 
 
 def configure_logging(level: str, fmt: LogFormat) -> None:

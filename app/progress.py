@@ -23,6 +23,7 @@ import contextlib
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import IO, Any, Final, Self
@@ -49,6 +50,7 @@ class Job:
     bytes: int = 0
     finished: bool = False
     waiting: bool = False  # queued behind other work: not shown until begin()
+    context: Mapping[str, object] = field(default_factory=dict)  # log fields (a subscriber)
     started: float = field(default_factory=time.monotonic)
 
     def begin(self) -> None:
@@ -167,7 +169,7 @@ class ProgressView:
             await asyncio.sleep(self._every_s)
             now = time.monotonic()
             for job in self._due(now):
-                fields = {"progress": job.fields(now)}
+                fields = {**job.context, "progress": job.fields(now)}
                 log.info("%s", describe(job, now), extra=log_extra(fields))
             self.jobs = [j for j in self.jobs if not j.finished]
 

@@ -15,6 +15,8 @@ import sys
 import textwrap
 import time
 
+import pyte
+
 from app.progress import Job, ProgressView, describe
 
 READ_TIMEOUT_S = 20.0
@@ -35,6 +37,32 @@ CHILD = textwrap.dedent(
             closed = loop.run_in_executor(None, sys.stdin.read)
             while not closed.done():
                 job.advance(1000, 50_000)
+                await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    """
+)
+
+# The same job, and a log line every 50 ms while its bar is drawn.
+CHILD_LOGGING = textwrap.dedent(
+    """
+    import asyncio, logging, sys
+    from app.logs import configure_logging
+    from app.progress import Job, ProgressView
+
+    configure_logging("info", "text")
+
+    async def main():
+        job = Job("demo copy", total=1_000_000, unit="rows")
+        async with ProgressView([job], after_s=0):
+            loop = asyncio.get_running_loop()
+            closed = loop.run_in_executor(None, sys.stdin.read)
+            n = 0
+            while not closed.done():
+                job.advance(1000, 50_000)
+                n += 1
+                if n % 5 == 0:
+                    logging.getLogger("demo").info("other work goes on %d", n // 5)
                 await asyncio.sleep(0.01)
 
     asyncio.run(main())
@@ -106,6 +134,36 @@ def test_on_a_terminal_it_draws_a_live_bar() -> None:
     assert b"demo copy" in out
     assert "━".encode() in out  # rich's bar
     assert b"INFO" not in out  # no log lines on a terminal
+
+
+def test_on_a_terminal_log_lines_print_above_the_bar_not_through_it() -> None:
+    master, slave = pty.openpty()
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD_LOGGING],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
+        env={**os.environ, "COLUMNS": "120", "LINES": "40"},
+    )
+    os.close(slave)
+    try:
+        out = _read_until(master, b"other work goes on 9")
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(10)
+        os.close(master)
+    # What a terminal shows of those bytes (a VT100 emulator), up to the ninth line.
+    screen = pyte.Screen(120, 40)
+    pyte.ByteStream(screen).feed(out[: out.rindex(b"other work goes on 9")])
+    rows = [row.rstrip() for row in screen.display]
+    logged = [row for row in rows if "other work goes on" in row]
+    # Each line whole, on a row of its own, in order, none drawn over by the bar.
+    assert [row.split("other work goes on ")[1] for row in logged] == [str(n) for n in range(1, 9)]
+    for row in logged:
+        assert " INFO demo: " in row
+        assert "demo copy" not in row
+        assert "━" not in row
 
 
 def test_in_a_pipe_it_logs_lines_with_structured_fields() -> None:

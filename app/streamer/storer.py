@@ -43,10 +43,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from app.progress import Job, ProgressView
 from app.protocol.canonical_json import loads
 from app.protocol.changes import SCHEMA_CHANGE_TAGS
 from app.protocol.codec import change_tag, extract_change, reconstruct
 from app.protocol.errors import ErrorType
+from app.protocol.lexi import watermark_fraction
 from app.protocol.pieces import LARGE_TEXT_CHARS
 from app.storage import AbortError, AutoResetSignal, ChangeLog, Replication, StoredRow
 from app.storage.backfill import BookkeepingOp, bookkeeping_for
@@ -117,6 +119,7 @@ class _Catchup:
     mode: Mode
     started: float  # when it was asked for (Timers.monotonic)
     task: asyncio.Task[None] | None = None
+    job: Job | None = None  # its progress, once the read is under way
 
 
 class Storer:
@@ -152,6 +155,9 @@ class Storer:
         self._group_max_rows = group_max_rows
         self._open_tx_flush_bytes = open_tx_flush_bytes
         self._catchup_batch = catchup_batch
+        # Catch-ups that last a few seconds show their progress (a bar on a terminal,
+        # log lines otherwise); started with the first catch-up.
+        self.progress = ProgressView()
 
         # Enqueue side (the main loop, synchronous).
         # A deque and an event instead of asyncio.Queue: this is on the per-change
@@ -557,6 +563,7 @@ class Storer:
 
     def _start_catchup(self, request: _Catchup, up_to: str) -> None:
         request.sub.catchup_to = up_to
+        self.progress.start()
         task = asyncio.create_task(self._catchup(request, up_to), name=f"catchup-{request.sub.id}")
         request.task = task
         self._catchups.add(task)
@@ -606,7 +613,9 @@ class Storer:
             async with self._reading:
                 if sub.closed:
                     return
-                await self._read_for(sub, mode, start, up_to)
+                job = Job(f"catch-up of {sub.id}", unit="changes", context=sub.log_fields)
+                request.job = self.progress.add(job)
+                await self._read_for(sub, mode, start, up_to, job)
             if not sub.closed:  # read to its end (not refused, not gone)
                 self.catchup_seconds.observe(self._timers.monotonic() - request.started)
         except AutoResetSignal as e:
@@ -618,8 +627,13 @@ class Storer:
         except Exception as e:
             log.exception("catch-up of subscriber %s failed", sub.id, extra=sub.log_extra)
             sub.fail(e)
+        finally:
+            if request.job is not None:
+                request.job.finish()
 
-    async def _read_for(self, sub: Subscriber, mode: Mode, start: str, up_to: str) -> None:
+    async def _read_for(
+        self, sub: Subscriber, mode: Mode, start: str, up_to: str, job: Job
+    ) -> None:
         """Emits the log's changes after ``start`` through ``up_to`` to ``sub``."""
         found = start == self._replica_version
         rows_seen = False
@@ -649,6 +663,7 @@ class Storer:
                 )
                 return
             last = sub.catchup(_stored_changes(batch[skip:] if skip else batch))
+            _advance(job, len(batch) - skip, start, up_to, batch[-1][0])
         if not found and not rows_seen:
             log.info(
                 "subscriber %s at %s is ahead of the durable change log (%s)",
@@ -666,6 +681,16 @@ class Storer:
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+        await self.progress.stop()
+
+
+def _advance(job: Job, changes: int, start: str, up_to: str, at: str) -> None:
+    """Counts a batch, and estimates the catch-up's total in changes from how far
+    through the watermark range it has read (the log has no cheap row count)."""
+    job.advance(changes)
+    fraction = watermark_fraction(start, up_to, at)
+    if fraction:
+        job.total = max(job.done, round(job.done / fraction))
 
 
 async def _ramped(

@@ -321,12 +321,14 @@ class Subscriber:
         asyncio.get_running_loop().call_later(ERROR_DELIVERY_S, self.downstream.close, message)
 
     @property
+    def log_fields(self) -> dict[str, object]:
+        return subscriber_log_fields(self.id, self.task_id, self.mode, self.protocol_version)
+
+    @property
     def log_extra(self) -> dict[str, object]:
         """``extra=`` for a line about this subscriber logged outside its connection's
         tasks (the forwarder's timers, a catch-up); built only when a line is."""
-        return log_extra(
-            subscriber_log_fields(self.id, self.task_id, self.mode, self.protocol_version)
-        )
+        return log_extra(self.log_fields)
 
     def fail(self, error: BaseException) -> None:
         """Drops the subscriber silently; it will reconnect and resume."""

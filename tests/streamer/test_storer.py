@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
 
+from app import progress
 from app.protocol.canonical_json import dumps, loads
 from app.protocol.codec import reconstruct
 from app.protocol.errors import ErrorType
+from app.protocol.lexi import to_lexi
 from app.storage import AutoResetSignal, ChangeDb, ChangeLog, OwnershipLostError, Replication
 from app.streamer.downstream import Downstream
 from app.streamer.storer import Storer, WedgedError
 from app.streamer.subscriber import Change, Mode, Subscriber
 from app.streamer.timers import ManualTimers
 
+from ..waiting import eventually
 from .conftest import OWNER, REPLICA_VERSION
 from .helpers import collect, drain, make_sub, settle
 
@@ -381,3 +385,50 @@ async def test_during_a_takeover_catch_ups_wait_and_reach_what_the_old_owner_sto
     assert msgs[-1] == ["commit", {"tag": "commit"}, {"watermark": "03"}]
     assert new.storer.durable == "03"
     await new.storer.close_catchups()
+
+
+async def test_a_long_catch_up_shows_its_progress_and_leaves_the_view_when_done(
+    change_db: ChangeDb, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Shown at once, a line every 20 ms; batches of 4 rows; the subscriber reads
+    # nothing until the line is seen, so the catch-up stalls after its first batches.
+    monkeypatch.setattr(progress, "AFTER_S", 0.0)
+    monkeypatch.setattr(progress, "EVERY_S", 0.02)
+    caplog.set_level(logging.INFO, logger="app.progress")
+    h = Harness(change_db, catchup_batch=4)
+    h.start()
+    try:
+        last = to_lexi(11)
+        h.feed([e for i in range(2, 12) for e in txn(to_lexi(i))])  # 10 tx, 30 changes
+        await h.until_durable(last)
+        sub, ds = make_sub(REPLICA_VERSION, id="sub-7")
+        h.storer.catchup(sub, "serving")
+
+        def line() -> logging.LogRecord | None:
+            return next((r for r in caplog.records if r.getMessage().startswith("catch-up")), None)
+
+        record = await eventually(line, "a catch-up progress line")
+        assert record.getMessage().startswith("catch-up of sub-7: ")
+        fields = record.__dict__["log_fields"]  # app.logs puts extra fields there
+        assert fields["subscriber"] == "sub-7"
+        assert fields["mode"] == "serving"
+        shown = fields["progress"]
+        assert shown["unit"] == "changes"
+        assert 0 < shown["done"] < 30  # stalled on the unread batches
+        # The total is estimated from the watermark range read so far.
+        assert shown["done"] <= shown["total"]
+
+        received: list[object] = []
+        end = ["commit", {"tag": "commit"}, {"watermark": last}]
+
+        def read_to_the_end() -> bool:
+            received.extend(drain(ds))
+            return bool(received) and received[-1] == end
+
+        await eventually(read_to_the_end, "the rest of the catch-up")
+        assert len(received) == 1 + 30  # the status, then every change once
+        # Finished: it leaves the view (which stays bounded).
+        await eventually(lambda: not h.storer.progress.jobs, "the job to leave the view")
+    finally:
+        await h.close()
+        await h.storer.close_catchups()

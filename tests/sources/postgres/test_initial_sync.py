@@ -21,6 +21,8 @@ from app.sources.postgres.initial_sync import InitialSyncError, initial_sync
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import check_replica, drop_slot
 
+from ...waiting import eventually
+
 DB = "cs_initsync"
 APP = "csinit"
 
@@ -156,15 +158,11 @@ async def test_a_long_table_copy_reports_its_progress(
     async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as c:
         await c.execute("ANALYZE items")
     sync = asyncio.create_task(initial_sync(upstream, ShardConfig(app_id=APP), tmp_path / "r.db"))
-    async with asyncio.timeout(30):
-        while items_line() is None:
-            assert not sync.done(), sync
-            await asyncio.sleep(0.01)
+    record = await eventually(lambda: sync.done() or items_line(), "the progress line of items")
     seen.set()
+    assert isinstance(record, logging.LogRecord), sync  # not the sync ending first
     result = await asyncio.wait_for(sync, 60)
     assert result.rows == 2501 + 2 + 1
-    record = items_line()
-    assert record is not None
     fields = record.__dict__["log_fields"]["progress"]  # app.logs puts extra fields there
     assert fields["job"] == "initial sync of items"
     assert fields["unit"] == "rows"
