@@ -6,7 +6,8 @@ Parsing needs argparse and nothing of the service, so ``changestreamer --help`` 
 ``status`` from :mod:`app.client`, ``replicate`` from :mod:`app.replica.command`.
 
 Exit status: 0 done; 2 bad settings or arguments, 1 an unusable database, upstream
-or backup, each with one line on stderr; 130 interrupted (Ctrl-C), quietly.
+or backup, each with one line on stderr (``app.logs.final_line``: a JSON line when the
+log is JSON); 130 interrupted (Ctrl-C), quietly.
 ``replicate`` adds 3: its replica must be synced (or restored) again.
 """
 
@@ -28,7 +29,7 @@ except ValueError as e:  # speedups.SpeedupsSettingError
     raise SystemExit(2) from None
 
 from app.commands import CommandError
-from app.logs import log_level
+from app.logs import final_line, log_level
 from app.versions import MAX_PROTOCOL_VERSION, MIN_PROTOCOL_VERSION
 
 __all__ = ["build_parser", "main", "version_text"]
@@ -41,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except CommandError as e:
-        print(f"changestreamer: {e}", file=sys.stderr)
+        final_line(str(e))
         return e.code
     except KeyboardInterrupt:  # whatever was running has been cancelled and closed
         return INTERRUPTED

@@ -44,6 +44,7 @@ __all__ = [
     "RedactSecrets",
     "bind_log_fields",
     "configure_logging",
+    "final_line",
     "log_extra",
     "log_level",
     "redact",
@@ -297,3 +298,19 @@ def _log_uncaught(
         sys.__excepthook__(kind, error, tb)
         return
     logging.getLogger("changestreamer").critical("uncaught exception", exc_info=(kind, error, tb))
+
+
+def final_line(text: str, *, command: str = "changestreamer") -> None:
+    """The one line a command ends with when it fails: ``changestreamer: <text>`` on
+    stderr; or, once the log is JSON, a JSON line at level ERROR from the logger
+    ``command`` (dotted), so a log pipeline reads it like every other line. Redacted
+    either way.
+    """
+    root = logging.getLogger()
+    json_log = any(
+        isinstance(h, LogHandler) and isinstance(h.formatter, JsonFormatter) for h in root.handlers
+    )
+    if json_log:
+        logging.getLogger(command.replace(" ", ".")).error("%s", text)
+    else:
+        print(f"{command}: {redact(text)}", file=sys.stderr, flush=True)

@@ -445,6 +445,22 @@ async def test_serve_with_zero_log_format_json_writes_only_json_lines(tmp_path: 
     assert any("/keepalive?apiKey=*** " in r["message"] for r in records)
 
 
+async def test_with_json_logs_a_failed_start_ends_with_a_json_line_without_secrets(
+    tmp_path: Path,
+) -> None:
+    upstream = f"postgres://user:{PLANTED}@127.0.0.1:{_free_port()}/db"  # nothing listens
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    env = _env(NODE_ENV="development", ZERO_LOG_FORMAT="json", ZERO_UPSTREAM_DB=upstream)
+    async with _running(["serve", "--port", str(_free_port())], env, out, err) as proc:
+        assert await asyncio.wait_for(proc.wait(), START_TIMEOUT_S) == 1
+    text = err.read_text()
+    records = [json.loads(line) for line in text.splitlines()]  # every line JSON
+    last = records[-1]
+    assert (last["level"], last["logger"]) == ("ERROR", "changestreamer"), last
+    assert "127.0.0.1" in last["message"], last  # says which upstream it could not reach
+    assert PLANTED not in text
+
+
 async def test_replicate_takes_zero_s_log_settings_and_hides_the_url_s_password(
     tmp_path: Path,
 ) -> None:

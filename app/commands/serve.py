@@ -28,6 +28,7 @@ from app.commands import CommandError
 from app.commands.migrate import migrate_change_db, open_change_db
 from app.commands.startup import read_settings, start_logging
 from app.config import Settings
+from app.logs import final_line
 from app.replica.errors import ReplicaError
 from app.runtime.backups import (
     BackupConfigError,
@@ -78,11 +79,11 @@ _AUTO_RESET = -1
 def run_serve(args: argparse.Namespace) -> int:
     """Checks the settings and the backup, migrates the change DB, serves until stopped."""
     settings = read_settings(change_db=True)
+    start_logging(settings)  # first: the refusals below are lines in the log's format
     refusal = check_startup(settings.admin_password, settings.development)
     refusal = refusal or check_custom_settings(settings)
     if refusal is not None:
         raise CommandError(refusal, 2)
-    start_logging(settings)
     try:  # before the change DB is touched: a backup that cannot work stops here
         notes = asyncio.run(check_backup_settings(settings))
     except BackupConfigError as e:
@@ -109,11 +110,7 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGINT and self.should_exit:  # uvicorn's test for a force-quit
             sys.stdout.flush()
-            print(
-                "changestreamer: interrupted again: exiting without finishing the shutdown",
-                file=sys.stderr,
-                flush=True,
-            )
+            final_line("interrupted again: exiting without finishing the shutdown")
             os._exit(128 + signal.SIGINT)
         super().handle_exit(sig, frame)
 
@@ -140,11 +137,11 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         try:
             prepared = asyncio.run(_prepare(settings, db))
         except (UpstreamSetupError, ReplicaError, RestoreError, BackupConfigError) as e:
-            print(f"changestreamer: {e}", file=sys.stderr)
+            final_line(str(e))
             return 1
         except AutoResetSignal as e:  # a custom source's initial sync asked for it
             if not settings.auto_reset:
-                print(f"changestreamer: the change source requires a reset: {e}", file=sys.stderr)
+                final_line(f"the change source requires a reset: {e}")
                 return 1
             log.warning("the change source requires a reset during the initial sync: %s", e)
             return _AUTO_RESET
@@ -238,7 +235,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         return 0
     if isinstance(failure, AutoResetSignal) and settings.auto_reset and prepared is not None:
         return _AUTO_RESET
-    print(f"changestreamer: the change streamer stopped: {failure}", file=sys.stderr)
+    final_line(f"the change streamer stopped: {failure}")
     return 1
 
 

@@ -30,14 +30,13 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 
 from app.backup.process import check_version
 from app.backup.restore import RestoreError, restore_replica
 from app.client import ChangeStreamerClient, ClientError, ProtocolError, SnapshotFollowup
 from app.config import SettingsError, load_settings
-from app.logs import configure_logging
+from app.logs import configure_logging, final_line
 from app.replica.errors import ReplicaError, ResyncRequiredError
 from app.replica.runner import run_replicator
 from app.runtime.backups import BackupConfigError, litestream_options
@@ -64,13 +63,13 @@ def run_replicate(args: argparse.Namespace) -> int:
             raise _Stop(f"directory {replica.parent} does not exist", 2)
         stopped_by = asyncio.run(_replicate(args, replica, restore_first=missing))
     except _Stop as e:
-        print(f"changestreamer replicate: {e}", file=sys.stderr)
+        final_line(str(e), command="changestreamer replicate")
         return e.code
     except ResyncRequiredError as e:
-        print(f"changestreamer replicate: {e}", file=sys.stderr)
+        final_line(str(e), command="changestreamer replicate")
         return 3
     except ReplicaError as e:
-        print(f"changestreamer replicate: {e}", file=sys.stderr)
+        final_line(str(e), command="changestreamer replicate")
         return 1
     return 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
 
