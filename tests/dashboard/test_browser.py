@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from playwright.async_api import Browser, Page, expect
@@ -24,10 +25,12 @@ SECOND_S = 1000  # playwright's timeouts are in ms
 DEMO_RATE = "20"
 
 
-async def open_dashboard(browser: Browser, serve: Serve, password: str) -> Page:
+async def open_dashboard(
+    browser: Browser, serve: Serve, password: str, *, width: int = 1280, height: int = 900
+) -> Page:
     context = await browser.new_context(
         http_credentials={"username": "ops", "password": password},
-        viewport={"width": 1280, "height": 900},
+        viewport={"width": width, "height": height},
     )
     page = await context.new_page()
     reply = await page.goto(f"http://127.0.0.1:{serve.port}/dashboard")
@@ -35,6 +38,11 @@ async def open_dashboard(browser: Browser, serve: Serve, password: str) -> Page:
     assert reply.status == 200
     await expect(page.locator("#connection")).to_have_text("live", timeout=10 * SECOND_S)
     return page
+
+
+async def _follow(subscription: AsyncIterator[object]) -> None:
+    async for _ in subscription:  # each message is acked when the next is asked for
+        pass
 
 
 async def screenshot(page: Page, path: Path) -> None:
@@ -66,11 +74,7 @@ async def test_a_subscriber_appears_and_the_numbers_move_as_transactions_flow(
     )
     subscription = await client.subscribe(context)
 
-    async def follow() -> None:
-        async for _ in subscription:  # each message is acked when the next is asked for
-            pass
-
-    follower = asyncio.create_task(follow(), name="dashboard test subscriber")
+    follower = asyncio.create_task(_follow(subscription), name="dashboard test subscriber")
     try:
         row = page.locator('#subscribers tr[data-subscriber="browser-sub-1"]')
         await expect(row).to_be_visible(timeout=10 * SECOND_S)
@@ -105,6 +109,44 @@ async def test_a_subscriber_appears_and_the_numbers_move_as_transactions_flow(
         0, timeout=10 * SECOND_S
     )
     await page.context.close()
+    await serve.terminate()
+
+
+async def test_on_a_phone_the_page_fits_its_width(
+    serve_factory: ServeFactory, browser: Browser, tmp_path: Path
+) -> None:
+    serve = serve_factory(
+        "", ZERO_ADMIN_PASSWORD=ADMIN, CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND=DEMO_RATE
+    )
+    serve.start()
+    await serve.wait_ready()
+    client = ChangeStreamerClient(f"ws://127.0.0.1:{serve.port}")
+    replica_version = await client.probe_replica_version()
+    context = SubscriptionContext(
+        "a-subscriber-with-a-long-id-0123456789", replica_version, replica_version, task_id="t"
+    )
+    subscription = await client.subscribe(context)
+    follower = asyncio.create_task(_follow(subscription), name="dashboard test subscriber")
+    try:
+        page = await open_dashboard(browser, serve, ADMIN, width=390, height=844)
+        row = page.locator(
+            '#subscribers tr[data-subscriber="a-subscriber-with-a-long-id-0123456789"]'
+        )
+        await expect(row.locator("td.catch-up")).to_have_text("live", timeout=10 * SECOND_S)
+        # The page itself never scrolls sideways; a wide table scrolls in its own box.
+        widths = await page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+        assert widths[0] <= widths[1], f"the page is {widths[0]} px wide in a {widths[1]} px screen"
+        for section in ("#subscribers", "#chart-throughput"):
+            box = await page.locator(section).bounding_box()
+            assert box is not None, section
+            assert box["x"] >= 0, section
+        await screenshot(page, tmp_path / "dashboard-phone.png")
+        await page.context.close()
+    finally:
+        await subscription.close()
+        follower.cancel()
+        with contextlib.suppress(BaseException):
+            await follower
     await serve.terminate()
 
 
