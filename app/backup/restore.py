@@ -165,14 +165,18 @@ def _remove_leftovers(staging: Path) -> None:
 @contextlib.asynccontextmanager
 async def _restore_progress(target: Path, staging: Path) -> AsyncIterator[None]:
     """Shows a restore that takes a while (app/progress.py): litestream reports
-    nothing, so the job is the staging file's size as it grows (its total is
-    unknown: the backup's size is not listed cheaply on every storage)."""
+    nothing, so the job is the size of the file it writes as it grows (its total is
+    unknown: the backup's size is not listed cheaply on every storage). litestream
+    writes ``<staging>.tmp`` and renames it to ``staging`` at the end."""
     job = Job(f"restore of {target.name}", unit="bytes")
+    written = (Path(f"{staging}.tmp"), staging)
 
     async def watch() -> None:
         while True:
-            with contextlib.suppress(OSError):
-                job.done = staging.stat().st_size  # noqa: ASYNC240 - one stat per tick
+            for path in written:
+                with contextlib.suppress(OSError):
+                    job.done = path.stat().st_size  # a stat per tick: cheap
+                    break
             await asyncio.sleep(PROGRESS_POLL_S)
 
     watcher = asyncio.create_task(watch(), name="restore-progress")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -12,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from app import progress
+from app.backup import restore as restore_module
 from app.backup.config import LitestreamOptions, find_executable
 from app.backup.process import LitestreamRunner, check_version
 from app.backup.restore import RestoreError, restore_replica
@@ -166,6 +171,89 @@ async def test_restore_brings_back_the_replica_atomically(
     assert item_count(target) == item_count(litestream_options.replica_file) == 350
     assert not target.with_name("replica.db.restoring").exists()
     assert not litestream_state_dir(target).exists()
+
+
+def _children_running(needle: bytes) -> list[int]:
+    """PIDs of this process's children whose command line holds ``needle``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if ppid == os.getpid() and needle in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _stop_litestream_mid_write(partial: Path, deadline_s: float = 60.0) -> int:
+    """Waits (in a thread) for litestream's restore to have written some of
+    ``partial``, then stops it there with SIGSTOP; its PID."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        pids = _children_running(b"\x00restore\x00")  # the argument, not a path holding it
+        if pids:
+            break
+        time.sleep(0.0005)
+    else:
+        raise AssertionError("litestream restore never started")
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if partial.stat().st_size > 0:
+                os.kill(pids[0], signal.SIGSTOP)
+                return pids[0]
+        time.sleep(0.0002)
+    raise AssertionError(f"litestream never wrote {partial}")
+
+
+async def test_a_restore_shows_the_bytes_written_as_it_goes(
+    litestream_options: LitestreamOptions,
+    runner: LitestreamRunner,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for i, watermark in enumerate(("0b", "0c", "0d", "0e")):  # ~15 MB of replica
+        advance(litestream_options.replica_file, watermark, rows=150_000 + i)
+    probe = VfsProbe(litestream_options.vfs_url(), vfs_extension(), timeout_s=TIMEOUT_S)
+    try:
+        await eventually(lambda: _try_read(probe, want="0e"), "the backup to reach 0e")
+    finally:
+        await probe.close()
+    monkeypatch.setattr(progress, "AFTER_S", 0.0)
+    monkeypatch.setattr(progress, "EVERY_S", 0.02)
+    monkeypatch.setattr(restore_module, "PROGRESS_POLL_S", 0.01)
+    caplog.set_level(logging.INFO, logger="app.progress")
+    target = tmp_path / "restored" / "replica.db"
+    target.parent.mkdir()
+    partial = target.with_name("replica.db.restoring.tmp")  # litestream's output, first
+    options = replace(litestream_options, replica_file=target)
+    stopper = asyncio.create_task(asyncio.to_thread(_stop_litestream_mid_write, partial))
+    restore = asyncio.create_task(restore_replica(options, replica_version=REPLICA_VERSION))
+    pid = await stopper
+    try:
+        # Stopped mid-write: the progress line shows what it has written so far.
+        def written() -> dict[str, Any] | None:
+            for r in caplog.records:
+                fields = r.__dict__.get("log_fields", {}).get("progress")
+                if fields and fields["job"] == "restore of replica.db" and fields["done"] > 0:
+                    return dict(fields)
+            return None
+
+        shown = await eventually(written, "a progress line with bytes written")
+        assert shown["unit"] == "bytes"
+        assert shown["done"] <= partial.stat().st_size
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    restored = await restore
+    assert restored is not None
+    assert restored.state.state_version == "0e"
+    assert shown["done"] < restored.bytes
 
 
 async def test_restore_refuses_a_backup_of_another_replica_version(
