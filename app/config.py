@@ -48,6 +48,8 @@ class SettingsError(Exception):
 
 # The error type of a validator whose message is already the whole line.
 _WHOLE_LINE: Final = "changestreamer_setting"
+# The shortest default for CHANGESTREAMER_BACKUP_WEDGED_AFTER_SECONDS.
+MIN_DEFAULT_WEDGED_AFTER_S: Final = 900.0
 
 
 def _env(name: str) -> AliasChoices:
@@ -258,8 +260,9 @@ class Settings(BaseModel):
         16 * 1024 * 1024, gt=0, validation_alias=_env("ZERO_LITESTREAM_MULTIPART_SIZE")
     )
     # No backup progress for this long while the replica moved on: the backup is wedged.
-    backup_wedged_after_s: FiniteFloat = Field(
-        900, gt=0, validation_alias=_env("CHANGESTREAMER_BACKUP_WEDGED_AFTER_SECONDS")
+    # Unset: backup_wedged_after_seconds (it must outlast the backup interval).
+    backup_wedged_after_s: FiniteFloat | None = Field(
+        None, gt=0, validation_alias=_env("CHANGESTREAMER_BACKUP_WEDGED_AFTER_SECONDS")
     )
     # A snapshot reservation open longer than this is ended (it holds back purging).
     reservation_max_s: FiniteFloat = Field(
@@ -302,6 +305,17 @@ class Settings(BaseModel):
     speedups: bool = Field(True, validation_alias=_env(speedups_module.ENV))
 
     _startup_notes: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def backup_wedged_after_seconds(self) -> float:
+        """When a backup that makes no progress is wedged: as set, or twice the
+        backup interval (litestream uploads once per interval, so the backup moves
+        only that often), and never under 15 minutes."""
+        if self.backup_wedged_after_s is not None:
+            return self.backup_wedged_after_s
+        return max(
+            MIN_DEFAULT_WEDGED_AFTER_S, 2 * 60 * self.litestream_incremental_backup_interval_minutes
+        )
 
     @field_validator("app_publications", mode="before")
     @classmethod

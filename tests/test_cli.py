@@ -222,6 +222,16 @@ def test_the_discovery_address_is_never_a_wildcard(
             "changestreamer: ZERO_LITESTREAM_BACKUP_URL needs a Postgres upstream",
         ),
         (
+            {
+                "ZERO_UPSTREAM_DB": "postgres://u@127.0.0.1:1/db",
+                "ZERO_LITESTREAM_BACKUP_URL": "file:///tmp/b",
+                "CHANGESTREAMER_BACKUP_WEDGED_AFTER_SECONDS": "600",
+            },
+            "changestreamer: CHANGESTREAMER_BACKUP_WEDGED_AFTER_SECONDS (600) must be longer "
+            "than the backup interval, ZERO_LITESTREAM_INCREMENTAL_BACKUP_INTERVAL_MINUTES "
+            "(900 s)",
+        ),
+        (
             {"ZERO_UPSTREAM_TYPE": "mysql"},
             "changestreamer: ZERO_UPSTREAM_TYPE must be pg or custom (got 'mysql')",
         ),

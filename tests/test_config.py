@@ -287,7 +287,9 @@ def test_backup_settings_default_to_zeros_values() -> None:
     assert (s.litestream_restore_parallelism, s.litestream_multipart_concurrency) == (48, 48)
     assert s.litestream_multipart_size == 16 * 1024 * 1024
     assert s.log_format == "text"
-    assert (s.backup_wedged_after_s, s.reservation_max_s) == (900, 14400)
+    assert (s.backup_wedged_after_s, s.reservation_max_s) == (None, 14400)
+    # Twice the 15-minute backup interval: litestream uploads once per interval.
+    assert s.backup_wedged_after_seconds == 1800
     assert (s.change_log_retention_s, s.replica_poll_interval_s) == (300, 10)
 
 
@@ -343,6 +345,10 @@ def test_backup_settings_are_read_with_zeros_names() -> None:
     assert (s.litestream_restore_parallelism, s.litestream_multipart_concurrency) == (4, 2)
     assert (s.litestream_multipart_size, s.log_format) == (5242880, "json")
     assert (s.backup_wedged_after_s, s.reservation_max_s) == (60, 1.5)
+    assert s.backup_wedged_after_seconds == 60  # as set
+    # With uploads every 3 s, the default stays at its floor of 15 minutes.
+    del env["CHANGESTREAMER_BACKUP_WEDGED_AFTER_SECONDS"]
+    assert load(env).backup_wedged_after_seconds == 900
     assert (s.change_log_retention_s, s.replica_poll_interval_s) == (3600, 0.2)
     assert load({"ZERO_LITESTREAM_PORT": "7000"}).litestream_port_resolved == 7000
 

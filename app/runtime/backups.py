@@ -114,6 +114,15 @@ async def check_backup_settings(settings: Settings) -> list[str]:
             "ZERO_LITESTREAM_BACKUP_URL needs CHANGESTREAMER_FOLLOW_REPLICA=true: "
             "a backup of a replica nobody keeps current is no backup"
         )
+    interval_s = 60 * settings.litestream_incremental_backup_interval_minutes
+    wedged_after_s = settings.backup_wedged_after_s
+    if wedged_after_s is not None and wedged_after_s <= interval_s:
+        raise BackupConfigError(
+            f"CHANGESTREAMER_BACKUP_WEDGED_AFTER_SECONDS ({wedged_after_s:g}) must be longer "
+            f"than the backup interval, ZERO_LITESTREAM_INCREMENTAL_BACKUP_INTERVAL_MINUTES "
+            f"({interval_s:g} s): the backup moves only that often, so it would be called "
+            "wedged between two uploads"
+        )
     options = litestream_options(settings)
     version = await check_version(options.executable)
     # View-syncers restore with ZERO_LITESTREAM_EXECUTABLE_V5; when this one is set
@@ -196,7 +205,7 @@ def start_backups(
             log_file=settings.litestream_vfs_log_file,
         )
         poller = VfsPoller(probe, local, settings.litestream_vfs_probe_interval_ms / 1000)
-        wedged_after_s = settings.backup_wedged_after_s
+        wedged_after_s = settings.backup_wedged_after_seconds
     else:
         poller = ReplicaPoller(local, settings.replica_poll_interval_s)
         wedged_after_s = float("inf")  # nothing to wedge: the position is local

@@ -106,7 +106,9 @@ class PendingLimits:
     admission: HandshakeAdmission
     pending: int = 0
     refusals: _RefusalLog = field(default_factory=_RefusalLog)
-    refused: Counter[int] = field(default_factory=Counter)  # by status, since start
+    # By status, since start; every status this module answers with is there from the
+    # start at 0, so a rate() over /metrics sees the first refusal too.
+    refused: Counter[int] = field(default_factory=lambda: Counter(dict.fromkeys(_REASONS, 0)))
     # Set when the server starts shutting down: uvicorn then waits (up to its grace
     # period) for responses in progress, so those that stream until their client
     # leaves (the dashboard's events) end when this is set.

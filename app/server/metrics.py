@@ -169,7 +169,7 @@ def _streamer_families(r: StreamerReadings) -> list[Metric]:
         out.append(
             _gauge(
                 "changestreamer_change_log_rows",
-                "Rows in the change log (recounted at most every few seconds).",
+                "Rows in the change log (recounted at most every 30 s).",
                 r.change_log_rows,
             )
         )
