@@ -48,8 +48,12 @@ class BackupMonitor:
         check_interval_s: float = DEFAULT_CHECK_INTERVAL_S,
         on_coverage_target: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        backups: bool = True,
     ) -> None:
         self._watermarks = watermarks
+        # False: no backups are configured and the watermarks are the local replica's
+        # position (ReplicaPoller), so the log says that instead of "backup".
+        self._backups = backups
         self._track = track
         self._read_local = read_local
         self._wedged_after_s = wedged_after_s
@@ -73,7 +77,8 @@ class BackupMonitor:
         if self.coverage_target is None:
             log.warning("cannot read the replica's state: the first backup opens readiness")
         else:
-            log.info("waiting for a backup that covers the replica at %s", self.coverage_target)
+            if self._backups:
+                log.info("waiting for a backup that covers the replica at %s", self.coverage_target)
             if self._on_coverage_target is not None:
                 self._on_coverage_target(self.coverage_target)
         checker = asyncio.create_task(self._check_loop(), name="backup wedge check")
@@ -105,7 +110,13 @@ class BackupMonitor:
         if not self.covered.is_set() and (
             self.coverage_target is None or backed_up.watermark >= self.coverage_target
         ):
-            log.info("the backup covers the replica (backup at %s)", backed_up.watermark)
+            if self._backups:
+                log.info("the backup covers the replica (backup at %s)", backed_up.watermark)
+            else:
+                log.info(
+                    "no backups configured: the replica's position (%s) is the purge floor",
+                    backed_up.watermark,
+                )
             self.covered.set()
         if self.problem is not None:
             log.info("the backup is moving again (at %s)", backed_up.watermark)

@@ -125,6 +125,9 @@ async def _restore_once(options: LitestreamOptions, staging: Path, timeout_s: fl
         raise RestoreError(f"cannot run {options.executable}: {e}") from None
     finally:
         _remove_leftovers(staging)
+        # The configuration was for this one run (a replicating litestream writes its own).
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(config)
     if code != 0:
         remove_replica_files(staging)
         last = output.strip().splitlines()[-1] if output.strip() else "(no output)"

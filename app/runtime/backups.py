@@ -215,6 +215,7 @@ def start_backups(
         local,
         wedged_after_s=wedged_after_s,
         on_coverage_target=lambda target: setattr(service, "coverage_target", target),
+        backups=runner is not None,
     )
     backups = Backups(monitor, runner, poller)
     service.backup_state = backups

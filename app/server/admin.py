@@ -204,11 +204,19 @@ class AdminAuth:
         self._operator = operator_password.encode() if operator_password else None
         self._development = development
         self._warned = False
+        if self._operator is not None and self._admin is None:
+            log.warning(
+                "ZERO_OPERATOR_PASSWORD has no effect without ZERO_ADMIN_PASSWORD: %s",
+                "admin pages are open without credentials (development mode)"
+                if development
+                else "admin pages are closed",
+            )
         self.backoff = backoff or LoginBackoff()
 
     def allows(self, authorization: str | None, role: Role) -> bool:
         """Whether an ``Authorization`` header value grants an endpoint requiring ``role``."""
-        supplied = _basic_password(authorization)
+        # An empty password is none, as in zero-cache (curl -u ":$UNSET_VARIABLE").
+        supplied = _basic_password(authorization) or None
         if supplied is None and self._admin is None and self._development:
             if not self._warned:
                 self._warned = True

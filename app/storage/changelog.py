@@ -87,6 +87,10 @@ class ChangeLog:
         # Told of a purge before it deletes (the storer's in-memory tail must not
         # keep serving what the log no longer has).
         self._before_purge: list[Callable[[str], None]] = []
+        # Rows this process's purges deleted. Every row is after the replica version,
+        # so once it is > 0 the log no longer starts there (Storer: a subscriber at the
+        # replica version is then too old, where the reference would leave it a gap).
+        self.purged_rows = 0
 
     def before_purge(self, callback: Callable[[str], None]) -> None:
         """Calls ``callback(watermark)`` at the start of every ``purge_before``."""
@@ -243,7 +247,9 @@ class ChangeLog:
                 )
             )
             await _verify_purge_owner(conn, self._db, owner, watermark)
-            return int(result.rowcount)
+        deleted = int(result.rowcount)
+        self.purged_rows += deleted  # committed
+        return deleted
 
 
 async def _verify_purge_owner(

@@ -216,8 +216,10 @@ class Purger:
         self.floor, self.floor_holder = floor, holder
         if floor < backup and floor != self._last_floor:
             self._log.info(
-                "At least one client is behind backup: purging only up to %s (backup at %s)",
+                "purging only up to %s, held by %s (%s at %s)",
                 floor,
+                holder,
+                self._backup_name,
                 backup,
             )
         self._last_floor = floor

@@ -80,6 +80,8 @@ FLUSH_THRESHOLD = 64 * 1024
 # Durable commits remembered for the backup lag (older ones count as the oldest).
 DURABLE_HISTORY = 10_000
 SWITCH_INTERVAL_S = 0.0005
+# The replica version a client sends to learn the current one from the refusal.
+ASKING_REPLICA_VERSION = "00"
 
 
 class TooManySubscribers(Exception):
@@ -653,7 +655,10 @@ class ChangeStreamerService:
             task_id=ctx.task_id,
         )
         if ctx.replica_version != self.replica_version:
-            log.warning(
+            # "00" is no replica's version: a client asking for the current one
+            # (app.client's probe), which is no cause for a warning.
+            log.log(
+                logging.INFO if ctx.replica_version == ASKING_REPLICA_VERSION else logging.WARNING,
                 "rejecting subscriber %s at replica version %s",
                 ctx.id,
                 ctx.replica_version,

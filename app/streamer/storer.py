@@ -635,7 +635,11 @@ class Storer:
         self, sub: Subscriber, mode: Mode, start: str, up_to: str, job: Job
     ) -> None:
         """Emits the log's changes after ``start`` through ``up_to`` to ``sub``."""
-        found = start == self._replica_version
+        # The replica version is where the log starts, until a purge took its start
+        # (zero's storer takes it as found regardless: a silent gap for a subscriber
+        # at the replica version once the log was purged). Known for this process's
+        # own purges; a restart forgets it.
+        found = start == self._replica_version and self._log.purged_rows == 0
         rows_seen = False
         last: asyncio.Future[bool] | None = None
         async for batch in self._batches(start, up_to):

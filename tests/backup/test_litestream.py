@@ -171,6 +171,7 @@ async def test_restore_brings_back_the_replica_atomically(
     assert item_count(target) == item_count(litestream_options.replica_file) == 350
     assert not target.with_name("replica.db.restoring").exists()
     assert not litestream_state_dir(target).exists()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["replica.db"]  # nothing left
 
 
 def _children_running(needle: bytes) -> list[int]:

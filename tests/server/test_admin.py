@@ -241,6 +241,7 @@ def test_startup_is_allowed_with_a_password_or_in_development() -> None:
         # Development relaxes only the case of no password at all.
         (AdminAuth(None, None, True), None, Role.ADMIN, True),
         (AdminAuth(None, None, True), basic("guess"), Role.OPERATOR, False),
+        (AdminAuth(None, None, True), basic(""), Role.ADMIN, True),  # empty is none (zero)
         (AdminAuth(ADMIN, None, True), None, Role.OPERATOR, False),
         (AdminAuth(ADMIN, None, True), basic(ADMIN), Role.OPERATOR, True),
         # The operator password opens read-only endpoints only.

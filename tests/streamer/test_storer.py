@@ -342,6 +342,27 @@ async def test_a_watermark_older_than_the_log_gets_watermark_too_old(harness: Ha
     ]
 
 
+async def test_the_replica_version_is_too_old_once_a_purge_took_the_log_s_start(
+    harness: Harness,
+) -> None:
+    harness.feed(txn("02") + txn("03"))
+    await harness.until_durable("03")
+    _sub, ds = subscribe(harness, REPLICA_VERSION)  # the whole log: fine
+    assert [m[0] for m in await collect(ds, 7)][-1] == "commit"
+    assert await harness.log.purge_before("03", OWNER) > 0  # transaction 02 is gone
+    _sub, ds = subscribe(harness, REPLICA_VERSION)
+    # Not 03 onwards with 02 silently missing: the subscriber must restore or resync.
+    assert await collect(ds, 1) == [
+        [
+            "error",
+            {
+                "type": int(ErrorType.WATERMARK_TOO_OLD),
+                "message": f"earliest supported watermark is 03 (requested {REPLICA_VERSION})",
+            },
+        ]
+    ]
+
+
 async def test_a_backup_replica_older_than_the_log_is_fatal(harness: Harness) -> None:
     harness.feed(txn("03"))
     await harness.until_durable("03")
