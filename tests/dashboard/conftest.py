@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from playwright.async_api import Browser, async_playwright
@@ -14,6 +15,16 @@ from playwright.async_api import Browser, async_playwright
 from tests.serve_pg.conftest import serve_factory, upstream  # noqa: F401
 
 CHROMIUM = "chromium"
+
+# Screenshots the tests saved, listed at the end of the run (pytest_terminal_summary).
+SCREENSHOTS: list[Path] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if SCREENSHOTS:
+        terminalreporter.section("dashboard screenshots")
+        for path in SCREENSHOTS:
+            terminalreporter.write_line(str(path))
 
 
 @pytest.fixture

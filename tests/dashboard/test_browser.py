@@ -2,7 +2,7 @@
 in the table, the numbers move as transactions flow, and the backup gate's state
 (closed while no backup covers the replica, open once one does, closed again when
 the backup wedges) shows as it changes. Each test saves a screenshot under its
-tmp_path and prints where."""
+tmp_path, and the run ends with a list of them ("dashboard screenshots")."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 from playwright.async_api import Browser, Page, expect
 
 from app.client import ChangeStreamerClient, SubscriptionContext
+from tests.dashboard.conftest import SCREENSHOTS
 from tests.serve_pg.conftest import Serve, ServeFactory, Writer, create_workload_schema
 from tests.serve_pg.test_backups import backup_env
 
@@ -47,7 +48,7 @@ async def _follow(subscription: AsyncIterator[object]) -> None:
 
 async def screenshot(page: Page, path: Path) -> None:
     await page.screenshot(path=path, full_page=True)
-    print(f"dashboard screenshot: {path}")
+    SCREENSHOTS.append(path)  # listed at the end of the test output
 
 
 async def test_a_subscriber_appears_and_the_numbers_move_as_transactions_flow(
