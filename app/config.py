@@ -307,15 +307,18 @@ class Settings(BaseModel):
     _startup_notes: tuple[str, ...] = PrivateAttr(default=())
 
     @property
+    def backup_interval_s(self) -> float:
+        """How often litestream uploads (ZERO_LITESTREAM_INCREMENTAL_BACKUP_INTERVAL_MINUTES)."""
+        return 60 * self.litestream_incremental_backup_interval_minutes
+
+    @property
     def backup_wedged_after_seconds(self) -> float:
         """When a backup that makes no progress is wedged: as set, or twice the
         backup interval (litestream uploads once per interval, so the backup moves
         only that often), and never under 15 minutes."""
         if self.backup_wedged_after_s is not None:
             return self.backup_wedged_after_s
-        return max(
-            MIN_DEFAULT_WEDGED_AFTER_S, 2 * 60 * self.litestream_incremental_backup_interval_minutes
-        )
+        return max(MIN_DEFAULT_WEDGED_AFTER_S, 2 * self.backup_interval_s)
 
     @field_validator("app_publications", mode="before")
     @classmethod

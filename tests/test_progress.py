@@ -22,6 +22,7 @@ from app.progress import Job, ProgressView, describe
 READ_TIMEOUT_S = 20.0
 
 # A job that advances until stdin closes; the view shows it from the first moment.
+# argv: the log format, then "log" for a log line every 50 ms as well.
 CHILD = textwrap.dedent(
     """
     import asyncio, logging, sys
@@ -29,39 +30,18 @@ CHILD = textwrap.dedent(
     from app.progress import Job, ProgressView
 
     configure_logging("info", sys.argv[1])
+    log_lines = sys.argv[2:] == ["log"]
 
     async def main():
         job = Job("demo copy", total=1_000_000, unit="rows")
         async with ProgressView([job], after_s=0, every_s=0.05):
             loop = asyncio.get_running_loop()
             closed = loop.run_in_executor(None, sys.stdin.read)
-            while not closed.done():
-                job.advance(1000, 50_000)
-                await asyncio.sleep(0.01)
-
-    asyncio.run(main())
-    """
-)
-
-# The same job, and a log line every 50 ms while its bar is drawn.
-CHILD_LOGGING = textwrap.dedent(
-    """
-    import asyncio, logging, sys
-    from app.logs import configure_logging
-    from app.progress import Job, ProgressView
-
-    configure_logging("info", "text")
-
-    async def main():
-        job = Job("demo copy", total=1_000_000, unit="rows")
-        async with ProgressView([job], after_s=0):
-            loop = asyncio.get_running_loop()
-            closed = loop.run_in_executor(None, sys.stdin.read)
             n = 0
             while not closed.done():
                 job.advance(1000, 50_000)
                 n += 1
-                if n % 5 == 0:
+                if log_lines and n % 5 == 0:
                     logging.getLogger("demo").info("other work goes on %d", n // 5)
                 await asyncio.sleep(0.01)
 
@@ -139,7 +119,7 @@ def test_on_a_terminal_it_draws_a_live_bar() -> None:
 def test_on_a_terminal_log_lines_print_above_the_bar_not_through_it() -> None:
     master, slave = pty.openpty()
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD_LOGGING],
+        [sys.executable, "-c", CHILD, "text", "log"],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=slave,

@@ -43,11 +43,10 @@ from app.client.resume import ReconnectPolicy, ResumingSubscription
 from app.client.subscription import Subscription, SubscriptionContext
 from app.client.urls import BaseURL, parse_base_url
 from app.client.v7 import V7Connection, reserve_on, subscribe_on
+from app.versions import PROBE_REPLICA_VERSION
 
 __all__ = ["PROBE_REPLICA_VERSION", "SUBSCRIBE_PROTOCOL_VERSION", "ChangeStreamerClient"]
 
-# A valid LexiVersion ("0"), used as the replica version of a probe subscription.
-PROBE_REPLICA_VERSION: Final = "00"
 # The first protocol version with the merged /subscribe endpoint.
 SUBSCRIBE_PROTOCOL_VERSION: Final = 7
 

@@ -114,7 +114,7 @@ async def check_backup_settings(settings: Settings) -> list[str]:
             "ZERO_LITESTREAM_BACKUP_URL needs CHANGESTREAMER_FOLLOW_REPLICA=true: "
             "a backup of a replica nobody keeps current is no backup"
         )
-    interval_s = 60 * settings.litestream_incremental_backup_interval_minutes
+    interval_s = settings.backup_interval_s
     wedged_after_s = settings.backup_wedged_after_s
     if wedged_after_s is not None and wedged_after_s <= interval_s:
         raise BackupConfigError(

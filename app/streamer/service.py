@@ -71,6 +71,7 @@ from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, DEFAULT_GROUP_MAX_R
 from app.streamer.subscriber import Change, Mode, Subscriber, new_change, subscriber_log_fields
 from app.streamer.timers import LoopTimers, Timers
 from app.timeouts import within
+from app.versions import PROBE_REPLICA_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,6 @@ FLUSH_THRESHOLD = 64 * 1024
 # Durable commits remembered for the backup lag (older ones count as the oldest).
 DURABLE_HISTORY = 10_000
 SWITCH_INTERVAL_S = 0.0005
-# The replica version a client sends to learn the current one from the refusal.
-ASKING_REPLICA_VERSION = "00"
 
 
 class TooManySubscribers(Exception):
@@ -655,10 +654,9 @@ class ChangeStreamerService:
             task_id=ctx.task_id,
         )
         if ctx.replica_version != self.replica_version:
-            # "00" is no replica's version: a client asking for the current one
-            # (app.client's probe), which is no cause for a warning.
+            # A client asking for the current version is no cause for a warning.
             log.log(
-                logging.INFO if ctx.replica_version == ASKING_REPLICA_VERSION else logging.WARNING,
+                logging.INFO if ctx.replica_version == PROBE_REPLICA_VERSION else logging.WARNING,
                 "rejecting subscriber %s at replica version %s",
                 ctx.id,
                 ctx.replica_version,

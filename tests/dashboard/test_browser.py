@@ -41,9 +41,27 @@ async def open_dashboard(
     return page
 
 
-async def _follow(subscription: AsyncIterator[object]) -> None:
-    async for _ in subscription:  # each message is acked when the next is asked for
-        pass
+@contextlib.asynccontextmanager
+async def following(serve: Serve, subscriber_id: str, task_id: str) -> AsyncIterator[None]:
+    """A serving subscriber of ``serve`` that reads (and acks) everything until the
+    block ends, then leaves."""
+    client = ChangeStreamerClient(f"ws://127.0.0.1:{serve.port}")
+    replica_version = await client.probe_replica_version()
+    context = SubscriptionContext(subscriber_id, replica_version, replica_version, task_id=task_id)
+    subscription = await client.subscribe(context)
+
+    async def follow() -> None:
+        async for _ in subscription:  # each message is acked when the next is asked for
+            pass
+
+    follower = asyncio.create_task(follow(), name="dashboard test subscriber")
+    try:
+        yield
+    finally:
+        await subscription.close()
+        follower.cancel()
+        with contextlib.suppress(BaseException):
+            await follower
 
 
 async def screenshot(page: Page, path: Path) -> None:
@@ -68,15 +86,7 @@ async def test_a_subscriber_appears_and_the_numbers_move_as_transactions_flow(
     await expect(page.locator("#backup-gate")).to_have_text("open")
     await expect(page.locator("#subscribers tbody")).to_have_text("no subscribers")
 
-    client = ChangeStreamerClient(f"ws://127.0.0.1:{serve.port}")
-    replica_version = await client.probe_replica_version()
-    context = SubscriptionContext(
-        "browser-sub-1", replica_version, replica_version, task_id="view-syncer-9"
-    )
-    subscription = await client.subscribe(context)
-
-    follower = asyncio.create_task(_follow(subscription), name="dashboard test subscriber")
-    try:
+    async with following(serve, "browser-sub-1", "view-syncer-9"):
         row = page.locator('#subscribers tr[data-subscriber="browser-sub-1"]')
         await expect(row).to_be_visible(timeout=10 * SECOND_S)
         await expect(row.locator("td.task")).to_have_text("view-syncer-9")
@@ -99,11 +109,6 @@ async def test_a_subscriber_appears_and_the_numbers_move_as_transactions_flow(
         for chart in ("throughput", "lag", "backlog"):
             await expect(page.locator(f"#chart-{chart} canvas")).to_have_count(1)
         await screenshot(page, tmp_path / "dashboard-demo.png")
-    finally:
-        await subscription.close()
-        follower.cancel()
-        with contextlib.suppress(BaseException):
-            await follower
 
     # The subscriber went: its row goes too.
     await expect(page.locator('#subscribers tr[data-subscriber="browser-sub-1"]')).to_have_count(
@@ -121,14 +126,7 @@ async def test_on_a_phone_the_page_fits_its_width(
     )
     serve.start()
     await serve.wait_ready()
-    client = ChangeStreamerClient(f"ws://127.0.0.1:{serve.port}")
-    replica_version = await client.probe_replica_version()
-    context = SubscriptionContext(
-        "a-subscriber-with-a-long-id-0123456789", replica_version, replica_version, task_id="t"
-    )
-    subscription = await client.subscribe(context)
-    follower = asyncio.create_task(_follow(subscription), name="dashboard test subscriber")
-    try:
+    async with following(serve, "a-subscriber-with-a-long-id-0123456789", "t"):
         page = await open_dashboard(browser, serve, ADMIN, width=390, height=844)
         row = page.locator(
             '#subscribers tr[data-subscriber="a-subscriber-with-a-long-id-0123456789"]'
@@ -143,11 +141,6 @@ async def test_on_a_phone_the_page_fits_its_width(
             assert box["x"] >= 0, section
         await screenshot(page, tmp_path / "dashboard-phone.png")
         await page.context.close()
-    finally:
-        await subscription.close()
-        follower.cancel()
-        with contextlib.suppress(BaseException):
-            await follower
     await serve.terminate()
 
 

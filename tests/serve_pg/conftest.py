@@ -33,6 +33,7 @@ from typing import IO, Any
 import psycopg
 import pytest
 
+from tests import waiting
 from tests.pgdb import scratch_database
 
 REPO = Path(__file__).resolve().parents[2]
@@ -293,16 +294,8 @@ def change_db_watermark(path: Path) -> str:
 async def eventually(
     check: Callable[[], Any], what: str, timeout_s: float = READY_TIMEOUT_S
 ) -> Any:
-    """Polls ``check`` (sync or async) until it returns something truthy."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        await asyncio.sleep(POLL_S * 2)
+    """``tests.waiting.eventually`` with a serve's patience: a start-up takes a while."""
+    return await waiting.eventually(check, what, timeout_s, poll_s=POLL_S * 2)
 
 
 # -- A workload and the row-by-row comparison ------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from app.protocol.canonical_json import loads
 from app.server.admin import AdminAuth
 from app.server.dashboard import STATIC_FILES, dashboard_router
 from app.server.dashboard_feed import SnapshotFeed
+from tests.waiting import eventually
 
 from .conftest import REPLICA_VERSION, Server, start_server
 from .http import Reply, http_get, serve
@@ -37,15 +38,6 @@ def basic(password: str) -> dict[str, str]:
 
 async def get(url: str, password: str | None = None) -> Reply:
     return await http_get(url, basic(password) if password is not None else None)
-
-
-async def eventually(check: Callable[[], bool], what: str) -> None:
-    """Until ``check()`` holds; fails after ``TIMEOUT_S``."""
-    for _ in range(int(TIMEOUT_S / 0.01)):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    assert check(), what
 
 
 # -- the password rules ------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +38,7 @@ from app.streamer.service import (
     UnrecoverableError,
 )
 from app.streamer.timers import ManualTimers
+from app.versions import PROBE_REPLICA_VERSION
 
 from .conftest import OWNER, REPLICA_VERSION
 from .helpers import collect
@@ -252,6 +254,20 @@ async def test_wrong_replica_version_is_the_first_and_only_message(svc: Service)
             },
         ]
     ]
+
+
+@pytest.mark.parametrize(
+    ("requested", "level"),
+    [("0z", logging.WARNING), (PROBE_REPLICA_VERSION, logging.INFO)],  # a probe only asks
+)
+async def test_a_wrong_replica_version_is_a_warning_unless_the_client_asks(
+    svc: Service, caplog: pytest.LogCaptureFixture, requested: str, level: int
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.streamer.service")
+    ds = svc.subscribe(REPLICA_VERSION, replica_version=requested)
+    await collect(ds, 1)
+    [record] = [r for r in caplog.records if r.getMessage().startswith("rejecting subscriber")]
+    assert record.levelno == level
 
 
 async def test_a_failing_start_is_retried(change_db: ChangeDb) -> None:

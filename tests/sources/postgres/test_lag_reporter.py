@@ -31,10 +31,15 @@ from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.source import PostgresChangeSource, PostgresSourceOptions
 from app.sources.postgres.stats import SlotWalProbe
 from app.sources.postgres.values import TypeRegistry
+from tests import waiting
 
 PUB = "cs_lag_pub"
 PREFIX = "zero/0/lag-report/v1"
 WAIT_S = 20.0
+
+
+async def eventually(check: Callable[[], bool], what: str) -> None:
+    await waiting.eventually(check, what, WAIT_S)
 
 
 @dataclass
@@ -122,16 +127,6 @@ async def until_commit(it: AsyncIterator[ChangeSourceMessage]) -> list[ChangeSou
         if isinstance(m, Commit):
             return out
     raise AssertionError("unreachable")
-
-
-async def eventually(check: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S
-    while True:
-        if check():
-            return
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 # -- the real round trip ----------------------------------------------------------------
