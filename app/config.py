@@ -188,6 +188,14 @@ class Settings(BaseModel):
     max_handshakes_per_s: FiniteFloat = Field(
         50, gt=0, validation_alias=_env("CHANGESTREAMER_MAX_HANDSHAKES_PER_SECOND")
     )
+    # Reverse proxies whose X-Forwarded-For and X-Forwarded-Proto are believed
+    # (uvicorn's forwarded_allow_ips; "*" for any). Empty, the default: no header is
+    # believed, and the admin back-off and the logs see the TCP peer. (uvicorn alone
+    # believes 127.0.0.1's headers, so any local client could choose the address its
+    # wrong passwords count against, or lock out another one.)
+    trusted_proxies: list[str] = Field(
+        default_factory=list, validation_alias=_env("CHANGESTREAMER_TRUSTED_PROXIES")
+    )
     admin_password: str | None = Field(None, validation_alias=_env("ZERO_ADMIN_PASSWORD"))
     operator_password: str | None = Field(None, validation_alias=_env("ZERO_OPERATOR_PASSWORD"))
     node_env: str | None = Field(None, validation_alias=_env("NODE_ENV"))
@@ -320,7 +328,7 @@ class Settings(BaseModel):
             return self.backup_wedged_after_s
         return max(MIN_DEFAULT_WEDGED_AFTER_S, 2 * self.backup_interval_s)
 
-    @field_validator("app_publications", mode="before")
+    @field_validator("app_publications", "trusted_proxies", mode="before")
     @classmethod
     def _split_publications(cls, value: Any) -> Any:
         # Zero accepts a JSON array or a comma-separated list.

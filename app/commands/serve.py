@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -215,6 +216,9 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         # a generous pong timeout, since a busy replica may answer late.
         ws_ping_interval=20,
         ws_ping_timeout=60,
+        # X-Forwarded-* only from the proxies named (none by default): the admin
+        # back-off keys on the client's address, which a header must not choose.
+        **proxy_header_options(settings.trusted_proxies),
         log_level=settings.log_level,
         log_config=None,  # no handlers of uvicorn's: its lines go through ours (app/logs.py)
         lifespan="on",
@@ -237,6 +241,13 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         return _AUTO_RESET
     final_line(f"the change streamer stopped: {failure}")
     return 1
+
+
+def proxy_header_options(trusted_proxies: list[str]) -> dict[str, Any]:
+    """uvicorn's proxy options: its headers believed only from ``trusted_proxies``."""
+    if not trusted_proxies:
+        return {"proxy_headers": False}
+    return {"proxy_headers": True, "forwarded_allow_ips": ",".join(trusted_proxies)}
 
 
 async def _prepare(settings: Settings, db: ChangeDb) -> PreparedUpstream | PreparedCustom:

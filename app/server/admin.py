@@ -5,18 +5,22 @@ and ``/heapz`` (spec/wire.md §4).
 
 * the *admin* password (``ZERO_ADMIN_PASSWORD``) grants every endpoint;
 * the optional *operator* password grants only endpoints declared
-  ``Role.OPERATOR`` — the read-only ones. All endpoints here are read-only, so
-  today the operator password opens everything this module serves; an endpoint
-  that changes state must be declared ``Role.ADMIN``, and then only the admin
-  password opens it.
+  ``Role.OPERATOR``: ``/statz`` and ``/dashboard``, which read what is cheap to
+  read. ``/profz``, ``/profile`` and ``/heapz`` are ``Role.ADMIN``: each one slows
+  the event loop for its window (a profiler on every call, a walk of
+  ``gc.get_objects()``, tracemalloc), as zero-cache guards ``/heapz`` with the
+  admin password. They run one at a time, all three together (409 otherwise),
+  and a window ends early when its client leaves.
 
 Without credentials, with no admin password and in development mode
 (``NODE_ENV=development``) access is allowed (a warning is logged once). Otherwise
 an unset admin password denies everything, and outside development the process
-must refuse to start (:func:`check_startup`). Passwords are compared in constant
-time. A denial is ``401 Unauthorized`` with ``WWW-Authenticate: Basic
-realm="Statz Protected Area"`` (resp. ``"Profz"``, ``"Profile"``, ``"Heapz Protected
-Area"``).
+must refuse to start (:func:`check_startup`). Passwords are compared as SHA-256
+digests with ``hmac.compare_digest``: the time taken says nothing about the
+supplied password, its length included. Wrong passwords are slowed per client
+address (:class:`LoginBackoff`), but the right one is never refused. A denial is
+``401 Unauthorized`` with ``WWW-Authenticate: Basic realm="Statz Protected Area"``
+(resp. ``"Profz"``, ``"Profile"``, ``"Heapz Protected Area"``).
 
 **GET /statz** — stats by group (``upstream``, ``changeLog``, ``replica``,
 ``replication``, ``backup``, ``os``, ``speedups`` from :func:`service_stats`).
@@ -66,6 +70,7 @@ import binascii
 import cProfile
 import enum
 import gc
+import hashlib
 import hmac
 import json
 import logging
@@ -88,6 +93,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from app import speedups
+from app.logs import redact
 from app.protocol.canonical_json import dumps
 from app.replica.schema import read_replica_state
 from app.server.heap import HeapBusy, HeapTracer, dump_bytes, render_report
@@ -135,23 +141,45 @@ def check_startup(admin_password: str | None, development: bool) -> str | None:
 
 
 class LoginBackoff:
-    """Slows password guessing: per client address, after ``FREE_FAILURES`` wrong
-    passwords in a row every further attempt must wait (1 s, doubling to 60 s)
-    and is answered 429 until then, without looking at the password. A right
-    password clears the address. At most ``MAX_ADDRESSES`` are remembered (the
-    least recently failed are forgotten first), each for ``FORGET_S`` after its
-    last failure: bounded memory whatever the flood."""
+    """Slows password guessing: per client address (the TCP peer, unless
+    ``CHANGESTREAMER_TRUSTED_PROXIES`` names the proxy in front), after
+    ``FREE_FAILURES`` wrong passwords in a row, a wrong password during the wait
+    (1 s, doubling to 60 s) is answered 429 with ``Retry-After``, and that answer is
+    held back for up to ``HOLD_S`` (at most ``MAX_HELD`` answers at once, so the
+    hold pins nothing). The right password always gets in and clears the
+    address: anyone may share the operator's address or proxy, and a back-off that
+    refused the right password would let them keep the operator out. At most
+    ``MAX_ADDRESSES`` are remembered (the least recently failed are forgotten
+    first), each for ``FORGET_S`` after its last failure: bounded memory whatever
+    the flood."""
 
     FREE_FAILURES = 10
     FIRST_WAIT_S = 1.0
     MAX_WAIT_S = 60.0
     FORGET_S = 600.0
     MAX_ADDRESSES = 4096
+    HOLD_S = 2.0
+    MAX_HELD = 64
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, *, hold_s: float = HOLD_S
+    ) -> None:
         self._clock = clock
+        self._hold_s = hold_s
         # address -> (failures in a row, monotonic time of the last one)
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self.held = 0  # 429 answers being held back now
+        self.wrong_total = 0  # wrong passwords since start
+
+    async def hold(self, wait_s: float) -> None:
+        """Holds a 429 back for up to ``HOLD_S`` (not at all past ``MAX_HELD``)."""
+        if self.held >= self.MAX_HELD:
+            return
+        self.held += 1
+        try:
+            await asyncio.sleep(min(wait_s, self._hold_s))
+        finally:
+            self.held -= 1
 
     def wait_s(self, address: str) -> float:
         """Seconds ``address`` must still wait before its password is checked."""
@@ -166,6 +194,7 @@ class LoginBackoff:
         return max(0.0, last + self._wait_after(failures) - now)
 
     def failed(self, address: str) -> None:
+        self.wrong_total += 1
         failures = self._failures.pop(address, (0, 0.0))[0] + 1
         self._failures[address] = (failures, self._clock())
         if failures == self.FREE_FAILURES + 1:
@@ -234,24 +263,25 @@ class AdminAuth:
             granted |= _constant_time_equal(supplied, expected)
         return granted
 
-    def denial(self, request: Request, realm: str, role: Role) -> Response | None:
-        """None if ``request`` may proceed, else the 401 (or, while its address must
-        wait after too many wrong passwords, the 429) to answer."""
+    async def denial(self, request: Request, realm: str, role: Role) -> Response | None:
+        """None if ``request`` may proceed, else the 401 (or, for a wrong password
+        while its address must wait after too many, the 429) to answer."""
         address = request.client.host if request.client is not None else ""
-        wait_s = self.backoff.wait_s(address)
-        if wait_s > 0:
-            return PlainTextResponse(
-                "Too many wrong passwords; retry later",
-                status_code=429,
-                headers={"Retry-After": str(math.ceil(wait_s))},
-            )
         authorization = request.headers.get("authorization")
         if self.allows(authorization, role):
             if authorization is not None:
                 self.backoff.succeeded(address)
             return None
+        wait_s = self.backoff.wait_s(address)
         if authorization is not None:  # a challenge-less first request is no guess
             self.backoff.failed(address)
+        if wait_s > 0:
+            await self.backoff.hold(wait_s)
+            return PlainTextResponse(
+                "Too many wrong passwords; retry later",
+                status_code=429,
+                headers={"Retry-After": str(math.ceil(wait_s))},
+            )
         return PlainTextResponse(
             "Unauthorized",
             status_code=401,
@@ -278,11 +308,9 @@ def _basic_password(authorization: str | None) -> bytes | None:
 
 
 def _constant_time_equal(supplied: bytes, expected: bytes) -> bool:
-    if len(supplied) != len(expected):
-        # Spend the time of a comparison anyway, then deny.
-        hmac.compare_digest(supplied, supplied)
-        return False
-    return hmac.compare_digest(supplied, expected)
+    # Digests are of one length whatever was supplied, so neither the comparison's
+    # time nor an early length check says how long the password is.
+    return hmac.compare_digest(hashlib.sha256(supplied).digest(), hashlib.sha256(expected).digest())
 
 
 # ----------------------------------------------------------------------
@@ -303,8 +331,11 @@ class LoopProfiler:
     def busy(self) -> bool:
         return self._busy
 
-    async def capture(self, seconds: float) -> bytes:
-        """Profiles for ``seconds``; returns the data in ``pstats`` (marshal) format."""
+    async def capture(
+        self, seconds: float, window: Callable[[float], Awaitable[object]] = asyncio.sleep
+    ) -> bytes:
+        """Profiles for ``seconds`` (``window(seconds)`` is the wait, which may end
+        early); returns the data in ``pstats`` (marshal) format."""
         if self._busy:
             raise ProfilerBusy("a profile is already being captured")
         self._busy = True
@@ -315,7 +346,7 @@ class LoopProfiler:
             except ValueError as e:  # another profiler owns the thread
                 raise ProfilerBusy(str(e)) from e
             try:
-                await asyncio.sleep(seconds)
+                await window(seconds)
             finally:
                 profiler.disable()
             profiler.create_stats()
@@ -323,6 +354,35 @@ class LoopProfiler:
             return marshal.dumps(profiler.stats)
         finally:
             self._busy = False
+
+
+async def _client_left(request: Request) -> None:
+    """Returns once the client has disconnected (a GET's body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _window_of(request: Request) -> Callable[[float], Awaitable[None]]:
+    """A wait of ``seconds`` that ends early when ``request``'s client leaves: a
+    capture nobody will read must not slow the loop, nor hold the one slot."""
+
+    async def window(seconds: float) -> None:
+        left = asyncio.ensure_future(_client_left(request))
+        try:
+            await asyncio.wait({left}, timeout=seconds)
+        finally:
+            left.cancel()
+
+    return window
+
+
+def _busy_error(profiler: LoopProfiler, heap: HeapTracer) -> JSONResponse | None:
+    """409 while a profile or a heap window runs: one at a time, of either kind."""
+    if profiler.busy:
+        return JSONResponse({"error": "a profile is already being captured"}, status_code=409)
+    if heap.busy:
+        return JSONResponse({"error": "a heap tracing window is already open"}, status_code=409)
+    return None
 
 
 _SECONDS = re.compile(r"[0-9]{1,9}")
@@ -359,15 +419,15 @@ def admin_router(
     profiler: LoopProfiler | None = None,
     heap: HeapTracer | None = None,
 ) -> APIRouter:
-    """``GET /statz``, ``/profz`` (and ``/profile``) and ``/heapz``, all read-only
-    (``Role.OPERATOR``)."""
+    """``GET /statz`` (``Role.OPERATOR``), ``/profz`` (and ``/profile``) and ``/heapz``
+    (``Role.ADMIN``: they cost the loop while they run)."""
     router = APIRouter()
     loop_profiler = profiler or LoopProfiler()
     heap_tracer = heap or HeapTracer()
 
     @router.get("/statz")
     async def statz(request: Request) -> Response:
-        denied = auth.denial(request, STATZ_REALM, Role.OPERATOR)
+        denied = await auth.denial(request, STATZ_REALM, Role.OPERATOR)
         if denied is not None:
             return denied
         params = request.query_params
@@ -388,7 +448,7 @@ def admin_router(
         return PlainTextResponse(render_text(groups))
 
     async def profile(request: Request, realm: str) -> Response:
-        denied = auth.denial(request, realm, Role.OPERATOR)
+        denied = await auth.denial(request, realm, Role.ADMIN)
         if denied is not None:
             return denied
         params = request.query_params
@@ -405,9 +465,12 @@ def admin_router(
                 },
                 status_code=404,
             )
+        busy = _busy_error(loop_profiler, heap_tracer)
+        if busy is not None:
+            return busy
         started = datetime.now(UTC)
         try:
-            data = await loop_profiler.capture(seconds)
+            data = await loop_profiler.capture(seconds, _window_of(request))
         except ProfilerBusy as e:
             return JSONResponse({"error": str(e)}, status_code=409)
         filename = f"changestreamer-{started.strftime('%Y%m%dT%H%M%SZ')}.pstats"
@@ -423,7 +486,7 @@ def admin_router(
 
     @router.get("/heapz")
     async def heapz(request: Request) -> Response:
-        denied = auth.denial(request, HEAPZ_REALM, Role.OPERATOR)
+        denied = await auth.denial(request, HEAPZ_REALM, Role.ADMIN)
         if denied is not None:
             return denied
         params = request.query_params
@@ -433,9 +496,12 @@ def admin_router(
         seconds = default if raw is None else profile_seconds(raw)
         if seconds is None:
             return _seconds_error("seconds", default)
+        busy = _busy_error(loop_profiler, heap_tracer)
+        if busy is not None:
+            return busy
         started = datetime.now(UTC)
         try:
-            snapshot = await heap_tracer.snapshot(seconds)
+            snapshot = await heap_tracer.snapshot(seconds, _window_of(request))
         except HeapBusy as e:
             return JSONResponse({"error": str(e)}, status_code=409)
         if dump:
@@ -567,7 +633,8 @@ async def _backup_stats(service: ChangeStreamerService | None) -> dict[str, Any]
     s = _running(service)
     purger = s.purger
     return {
-        "backupURL": s.options.backup_url,
+        # Shown to operators and on the dashboard: never its credentials.
+        "backupURL": redact(s.options.backup_url) if s.options.backup_url else None,
         "backupWatermark": s.backup_watermark,
         "coverageTarget": s.coverage_target,
         "covered": s.backup_covered,

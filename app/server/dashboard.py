@@ -235,7 +235,7 @@ def dashboard_router(
 
     @router.get("/dashboard")
     async def page(request: Request) -> Response:
-        denied = auth.denial(request, DASHBOARD_REALM, Role.OPERATOR)
+        denied = await auth.denial(request, DASHBOARD_REALM, Role.OPERATOR)
         if denied is not None:
             return denied
         return Response(
@@ -244,14 +244,14 @@ def dashboard_router(
 
     @router.get("/dashboard/events")
     async def events(request: Request) -> Response:
-        denied = auth.denial(request, DASHBOARD_REALM, Role.OPERATOR)
+        denied = await auth.denial(request, DASHBOARD_REALM, Role.OPERATOR)
         if denied is not None:
             return denied
         return feed.response()
 
     @router.get("/dashboard/snapshot")
     async def one_snapshot(request: Request) -> Response:
-        denied = auth.denial(request, DASHBOARD_REALM, Role.OPERATOR)
+        denied = await auth.denial(request, DASHBOARD_REALM, Role.OPERATOR)
         if denied is not None:
             return denied
         body = dumps(await snapshot())
@@ -259,7 +259,7 @@ def dashboard_router(
 
     @router.get("/dashboard/static/{name}")
     async def static(request: Request, name: str) -> Response:
-        denied = auth.denial(request, DASHBOARD_REALM, Role.OPERATOR)
+        denied = await auth.denial(request, DASHBOARD_REALM, Role.OPERATOR)
         if denied is not None:
             return denied
         media_type = STATIC_FILES.get(name)

@@ -25,6 +25,7 @@ import os
 import tempfile
 import tracemalloc
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 __all__ = ["HeapBusy", "HeapTracer", "dump_bytes", "render_report"]
@@ -47,10 +48,13 @@ class HeapTracer:
     def busy(self) -> bool:
         return self._busy
 
-    async def snapshot(self, seconds: float) -> tracemalloc.Snapshot | None:
+    async def snapshot(
+        self, seconds: float, window: Callable[[float], Awaitable[object]] = asyncio.sleep
+    ) -> tracemalloc.Snapshot | None:
         """A snapshot of what was allocated in the next ``seconds`` and is still held
         (everything since start-up if the process traces already); None for
-        ``seconds`` 0 without process-wide tracing."""
+        ``seconds`` 0 without process-wide tracing. ``window(seconds)`` is the wait
+        (it may end early: the caller's client left)."""
         if self._busy:
             raise HeapBusy("a heap tracing window is already open")
         already = tracemalloc.is_tracing()
@@ -61,7 +65,7 @@ class HeapTracer:
             if not already:
                 tracemalloc.start(TRACE_FRAMES)
             try:
-                await asyncio.sleep(seconds)
+                await window(seconds)
                 return tracemalloc.take_snapshot()
             finally:
                 if not already:

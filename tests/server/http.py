@@ -22,10 +22,12 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @asynccontextmanager
-async def serve(app: FastAPI) -> AsyncIterator[str]:
-    """Runs ``app`` under uvicorn on a free loopback port; yields its base URL."""
+async def serve(app: FastAPI, **options: Any) -> AsyncIterator[str]:
+    """Runs ``app`` under uvicorn on a free loopback port (``options``: more of
+    uvicorn's ``Config``); yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **options)
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     for _ in range(2000):  # up to 20 s
         if server.started or task.done():

@@ -22,6 +22,7 @@ import pytest
 from fastapi import FastAPI
 
 from app import speedups
+from app.commands.serve import proxy_header_options
 from app.protocol import canonical_json, wsframes
 from app.server.admin import (
     STARTUP_ERROR,
@@ -40,6 +41,7 @@ from app.server.heap import HeapTracer
 from app.sources.postgres import mapper as pg_mapper
 from app.streamer import rowrun, subscriber
 from app.streamer.service import ChangeStreamerService, SubscriberContext
+from tests.waiting import eventually
 
 from .conftest import REPLICA_VERSION, new_service
 from .http import Reply, http_get, serve
@@ -96,10 +98,15 @@ def admin_app(
 
 
 async def second_while_first_runs(
-    app: FastAPI, path: str, busy: Callable[[], bool], password: str
+    app: FastAPI,
+    path: str,
+    busy: Callable[[], bool],
+    password: str,
+    *,
+    second_path: str | None = None,
 ) -> tuple[Reply, Reply]:
-    """Starts ``path`` (a one-at-a-time capture), asks again once ``busy()``; the
-    second reply and the first one's."""
+    """Starts ``path`` (a one-at-a-time capture), asks for ``second_path`` (default
+    the same) once ``busy()``; the second reply and the first one's."""
     async with serve(app) as url:
         first = asyncio.create_task(get(url + path, ADMIN))
         for _ in range(1000):  # until the first capture has started
@@ -107,7 +114,7 @@ async def second_while_first_runs(
                 break
             await asyncio.sleep(0.01)
         assert busy()
-        second = await get(url + path, password)
+        second = await get(url + (second_path or path), password)
         done = await first
     return second, done
 
@@ -148,21 +155,67 @@ class Clock:
 
 async def test_repeated_wrong_passwords_from_an_address_must_wait_then_429() -> None:
     clock = Clock()
-    auth = AdminAuth(ADMIN, OPERATOR, development=False, backoff=LoginBackoff(clock))
+    backoff = LoginBackoff(clock, hold_s=0.01)
+    auth = AdminAuth(ADMIN, OPERATOR, development=False, backoff=backoff)
     free = LoginBackoff.FREE_FAILURES
     async with serve(admin_app(auth)) as url:
         first = [(await get(url + "/statz", f"guess-{i}")).status for i in range(free + 1)]
         blocked = await get(url + "/statz", "another-guess")
-        right_too_soon = await get(url + "/statz", ADMIN)
-        clock.now += 1.0  # the first wait is 1 s
-        right = await get(url + "/statz", ADMIN)
+        # The right password is never refused: an address may be shared with the
+        # guesser (a proxy, a NAT), and a lockout would keep the operator out.
+        right_during_the_wait = await get(url + "/statz", ADMIN)
         # A right password clears the count: ten more guesses are free again.
         again = [(await get(url + "/statz", f"guess-{i}")).status for i in range(free)]
     assert first == [401] * (free + 1)
     assert (blocked.status, blocked.headers["Retry-After"]) == (429, "1")
-    assert right_too_soon.status == 429  # the password is not even looked at
-    assert right.status == 200
+    assert right_during_the_wait.status == 200
     assert again == [401] * free
+    assert backoff.wrong_total == 2 * free + 2  # every wrong guess is counted
+
+
+async def test_a_wrong_password_during_the_wait_is_held_back_boundedly() -> None:
+    clock = Clock()
+    backoff = LoginBackoff(clock, hold_s=30.0)
+    backoff.MAX_HELD = 1
+    auth = AdminAuth(ADMIN, OPERATOR, development=False, backoff=backoff)
+    for _ in range(LoginBackoff.FREE_FAILURES + 1):
+        backoff.failed("127.0.0.1")
+    async with serve(admin_app(auth)) as url:
+        held = asyncio.create_task(get(url + "/statz", "one-more-guess"))
+        await eventually(lambda: backoff.held == 1, "the wrong guess's answer held")
+        # At most MAX_HELD are held: the next wrong answer comes at once.
+        assert (await get(url + "/statz", "and-another")).status == 429
+        # The right password is held behind neither.
+        assert (await get(url + "/statz", ADMIN)).status == 200
+        assert not held.done()
+        held.cancel()
+
+
+async def test_the_back_off_keys_on_the_peer_not_on_x_forwarded_for() -> None:
+    """serve's uvicorn options believe no X-Forwarded-For by default: a client that
+    rotates the header still meets the back-off, and cannot lock out an address it
+    names; with the proxy trusted, the header is the client."""
+    free = LoginBackoff.FREE_FAILURES
+
+    async def guesses(options: dict[str, Any]) -> tuple[list[int], LoginBackoff]:
+        backoff = LoginBackoff(hold_s=0.01)
+        auth = AdminAuth(ADMIN, OPERATOR, development=False, backoff=backoff)
+        statuses = []
+        async with serve(admin_app(auth), **options) as url:
+            for i in range(free + 2):
+                headers = {
+                    "Authorization": basic(f"guess-{i}"),
+                    "X-Forwarded-For": f"203.0.113.{i}",
+                }
+                statuses.append((await http_get(url + "/statz", headers)).status)
+        return statuses, backoff
+
+    statuses, backoff = await guesses(proxy_header_options([]))
+    assert statuses == [401] * (free + 1) + [429]
+    assert backoff.wait_s("127.0.0.1") > 0
+    assert backoff.wait_s("203.0.113.0") == 0  # a named address is not locked out
+    trusted, _ = await guesses(proxy_header_options(["127.0.0.1"]))
+    assert trusted == [401] * (free + 2)  # each guess from its own (forwarded) client
 
 
 def test_the_wait_doubles_to_a_cap_and_memory_is_bounded() -> None:
@@ -192,11 +245,16 @@ async def test_the_admin_password_opens_statz_whatever_the_username() -> None:
     assert "=== os ===" in named.text
 
 
-async def test_the_operator_password_opens_statz_and_profile() -> None:
+async def test_the_operator_password_opens_statz_but_not_the_costly_pages() -> None:
     async with serve(admin_app(PRODUCTION)) as url:
         statz = await get(url + "/statz", OPERATOR)
-        profile = await get(url + "/profile?seconds=1", OPERATOR)
+        costly = [
+            await get(url + path, OPERATOR)
+            for path in ("/profile?seconds=1", "/profz?seconds=1", "/heapz", "/heapz?seconds=1")
+        ]
+        profile = await get(url + "/profile?seconds=1", ADMIN)
     assert statz.status == 200
+    assert [reply.status for reply in costly] == [401] * 4
     assert profile.status == 200
     assert profile.headers.get_content_type() == "application/octet-stream"
 
@@ -493,7 +551,7 @@ def test_profile_seconds_are_clamped_as_zero_clamps_them(raw: str | None, second
 async def test_profz_is_the_profile_zero_cache_fetches_and_takes_duration() -> None:
     async with serve(admin_app(PRODUCTION)) as url:
         denied = await get(url + "/profz")
-        reply = await get(url + "/profz?duration=1&worker=change-streamer", OPERATOR)
+        reply = await get(url + "/profz?duration=1&worker=change-streamer", ADMIN)
         other = await get(url + "/profz?seconds=1&worker=syncer", ADMIN)
     assert denied.status == 401
     assert denied.headers["WWW-Authenticate"] == 'Basic realm="Profz Protected Area"'
@@ -516,7 +574,7 @@ async def test_a_second_profile_while_one_runs_is_409() -> None:
     profiler = LoopProfiler()
     app = admin_app(PRODUCTION, profiler=profiler)
     second, done = await second_while_first_runs(
-        app, "/profile?seconds=1", lambda: profiler.busy, OPERATOR
+        app, "/profile?seconds=1", lambda: profiler.busy, ADMIN
     )
     assert second.status == 409
     assert second.json() == {"error": "a profile is already being captured"}
@@ -535,7 +593,7 @@ async def test_heapz_counts_objects_by_type_and_asks_for_a_window() -> None:
     held = [_Held() for _ in range(5000)]
     async with serve(admin_app(PRODUCTION)) as url:
         denied = await get(url + "/heapz")
-        reply = await get(url + "/heapz", OPERATOR)
+        reply = await get(url + "/heapz", ADMIN)
     assert denied.status == 401
     assert denied.headers["WWW-Authenticate"] == 'Basic realm="Heapz Protected Area"'
     assert reply.status == 200
@@ -627,3 +685,54 @@ async def test_only_the_groups_asked_for_are_computed(service: ChangeStreamerSer
     assert list(reply.json()) == ["replication", "os"]
     assert asked == [frozenset({"os", "replication"})]
     assert list(await service_stats(service, frozenset({"upstream"}))) == ["upstream"]
+
+
+async def test_a_heap_window_while_a_profile_runs_is_409_and_the_other_way_round() -> None:
+    profiler, tracer = LoopProfiler(), HeapTracer()
+    app = admin_app(PRODUCTION, profiler=profiler, heap=tracer)
+    heap_during_profile, _ = await second_while_first_runs(
+        app, "/profile?seconds=1", lambda: profiler.busy, ADMIN, second_path="/heapz"
+    )
+    profile_during_heap, _ = await second_while_first_runs(
+        app, "/heapz?seconds=1", lambda: tracer.busy, ADMIN, second_path="/profz?seconds=1"
+    )
+    assert heap_during_profile.status == 409
+    assert heap_during_profile.json() == {"error": "a profile is already being captured"}
+    assert profile_during_heap.status == 409
+    assert profile_during_heap.json() == {"error": "a heap tracing window is already open"}
+
+
+@pytest.mark.parametrize("path", ["/profz?seconds=60", "/heapz?seconds=60"])
+async def test_a_capture_ends_when_its_client_leaves(path: str) -> None:
+    profiler, tracer = LoopProfiler(), HeapTracer()
+    app = admin_app(PRODUCTION, profiler=profiler, heap=tracer)
+    async with serve(app) as url:
+        host, port = urllib.parse.urlsplit(url).netloc.split(":")
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: {basic(ADMIN)}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        await eventually(lambda: profiler.busy or tracer.busy, "the capture started")
+        writer.close()  # the client leaves long before the 60 s are up
+        await eventually(
+            lambda: not profiler.busy and not tracer.busy, "the capture ended", timeout_s=15
+        )
+        assert not tracemalloc.is_tracing()
+        again = await get(url + "/profz?seconds=1", ADMIN)
+    assert again.status == 200
+
+
+async def test_statz_shows_the_backup_url_without_its_secrets(tmp_path: Path) -> None:
+    secret_url = "s3://backup-user:hunter2@bucket/replica?access-key-id=AKIDSECRET&region=x"
+    db, _source, svc = await new_service(tmp_path, task_id="t", backup_url=secret_url)
+    try:
+        groups = await service_stats(svc, frozenset({"backup"}))
+    finally:
+        svc.forwarder.close_all()
+        await svc.storer.close_catchups()
+        await db.dispose()
+    shown = groups["backup"]["backupURL"]
+    assert "hunter2" not in shown
+    assert "AKIDSECRET" not in shown
+    assert shown.startswith("s3://backup-user:***@bucket/replica?")
