@@ -17,6 +17,11 @@ whole, masked, FIN text frames is unmasked and queued directly. Anything else �
 fragments, partial frames, oversized or invalid UTF-8 payloads — goes to uvicorn's
 path untouched, so every protocol rule and error is still the library's.
 
+Control frames are bounded like data: a client gets a burst of pings and pongs and a
+rate (``CONTROL_BURST``, ``CONTROL_PER_S``); past it, it is closed with 1008. Below it,
+a read's pings get one pong (the latest), and none while the socket's write buffer is
+over its high-water mark, so a peer that pings without reading queues nothing.
+
 This leans on uvicorn's sans-I/O implementation's attributes (``conn``, ``queue``,
 ``read_paused``, ``pending_ping_payload``, ``pong_timer``, ``schedule_ping``,
 ``disconnected``...), all there from uvicorn 0.52.1 on: an older uvicorn fails at import
@@ -35,6 +40,7 @@ from collections.abc import Callable
 from typing import Any, Final, cast
 
 from uvicorn._types import ASGISendEvent
+from websockets.frames import Opcode
 from websockets.http11 import Request
 from websockets.protocol import State
 
@@ -148,8 +154,23 @@ class _BoundedClose:
         self._transport.abort()
 
 
+# Inbound control frames (pings, pongs) a client may send: a burst of this many, then
+# this many a second. A view-syncer pings every few seconds at most; a client past
+# these is flooding (each ping asks us for a pong, which costs memory and loop time
+# that healthy subscribers need) and is closed with 1008. Generous enough that no
+# well-behaved client meets it, small enough that a flood ends within one read.
+CONTROL_BURST: Final = 100
+CONTROL_PER_S: Final = 10.0
+
+# A server's pong frame: FIN + opcode 0xA, unmasked (how websockets serializes it).
+_PONG_FIRST_BYTE: Final = 0x80 | Opcode.PONG.value
+
+
 class LivenessProtocol(WebSocketsSansIOProtocol):
     direct: DirectSocket | None = None  # set at the handshake
+    # Control-frame allowance (a token bucket, refilled at CONTROL_PER_S).
+    _control_tokens: float = float(CONTROL_BURST)
+    _control_at: float | None = None
     # Sending waits while more than this is buffered for the socket (a subclass per
     # server sets it: ``with_queue_limit``); None keeps asyncio's default.
     max_queued_bytes: int | None = None
@@ -188,6 +209,73 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
             self.pong_timer = None
             self.schedule_ping()
 
+    def handle_events(self) -> None:
+        """Bounds what a client's control frames cost us before uvicorn handles them.
+
+        websockets queues a pong for every ping as it parses, so a chunk of pings is
+        already a list of pongs in ``conn.writes``; uvicorn writes them all, past the
+        socket's write-buffer bound that data respects. Here: a client over its
+        control allowance is closed with 1008; otherwise only the last pong of the
+        chunk is sent (RFC 6455 §5.5.3 allows answering only the latest ping), and
+        none while the socket's buffer is over its high-water mark (a peer that does
+        not read gets no pong queued for it)."""
+        conn = self.conn
+        control = sum(
+            1
+            for event in conn.events
+            if getattr(event, "opcode", None) in (Opcode.PING, Opcode.PONG)
+        )
+        if control:
+            pongs = [w for w in conn.writes if w[:1] and w[0] == _PONG_FIRST_BYTE]
+            if pongs:
+                keep = pongs[-1] if self.writable.is_set() else None
+                conn.writes = [w for w in conn.writes if not (w[:1] and w[0] == _PONG_FIRST_BYTE)]
+                if keep is not None:
+                    conn.writes.insert(0, keep)
+            if not self._charge_control(control) and conn.state is State.OPEN:
+                self._close_flooder()
+                return
+        super().handle_events()
+
+    def _charge_control(self, frames: int) -> bool:
+        """Takes ``frames`` from the allowance; False once the client is over it."""
+        now = self.loop.time()
+        if self._control_at is not None:
+            elapsed = now - self._control_at
+            self._control_tokens = min(
+                float(CONTROL_BURST), self._control_tokens + elapsed * CONTROL_PER_S
+            )
+        self._control_at = now
+        self._control_tokens -= frames
+        return self._control_tokens >= 0
+
+    def _close_flooder(self) -> None:
+        """Closes a control-frame flooder with 1008; what it sent is dropped (its
+        events never reach the app), and if it does not read either, so is what was
+        buffered for it: the connection is aborted rather than flushed."""
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.info(
+            "closing a websocket from %s: more than %d control frames (pings, pongs) "
+            "at once or %g a second",
+            client,
+            CONTROL_BURST,
+            CONTROL_PER_S,
+        )
+        conn = self.conn
+        conn.events = []
+        conn.writes = []
+        conn.fail(1008, "too many control frames")
+        self.stop_keepalive()
+        self.queue.put_nowait(
+            {"type": "websocket.disconnect", "code": 1008, "reason": "too many control frames"}
+        )
+        self.transport.write(b"".join(conn.data_to_send()))
+        self.close_sent = True
+        if self.writable.is_set():
+            self.transport.close()
+        else:
+            self.transport.abort()
+
     def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)
         scope = getattr(self, "scope", None)
@@ -216,6 +304,10 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
                 self.frames = []
                 client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
                 log.info("closing a websocket from %s: a text frame is not UTF-8 (%s)", client, e)
+                if self.conn.state is not State.OPEN:
+                    # The peer's close came in the same read and websockets already
+                    # echoed it: no second close may be sent; its handler ends this.
+                    return
                 self.conn.send_close(1007, "invalid UTF-8")
                 self.handle_parser_exception()
                 return
