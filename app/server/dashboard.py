@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, Response
 from app.protocol.canonical_json import dumps
 from app.protocol.lexi import watermark_fraction
 from app.server.admin import AdminAuth, Role, service_stats
-from app.server.dashboard_feed import SnapshotFeed
+from app.server.dashboard_feed import MAX_LIFETIME_S, SnapshotFeed
 from app.server.metric_values import MetricValues, StreamerReadings, latest_lag_report
 from app.streamer.service import ChangeStreamerService
 from app.timeouts import within
@@ -215,6 +215,7 @@ def dashboard_router(
     change_log_rows_ttl_s: float = 5.0,
     draining: asyncio.Event | None = None,
     wall_clock: Callable[[], float] = time.time,
+    stream_lifetime_s: float = MAX_LIFETIME_S,
 ) -> tuple[APIRouter, SnapshotFeed]:
     """The routes, and the feed behind ``/dashboard/events`` (the app stops it).
     ``draining``: the server's ``PendingLimits.draining``, which ends the streams."""
@@ -230,7 +231,11 @@ def dashboard_router(
         return await dashboard_snapshot(service_getter(), values, ready, wall_clock())
 
     feed = SnapshotFeed(
-        snapshot, interval_s=feed_interval_s, max_streams=max_streams, draining=draining
+        snapshot,
+        interval_s=feed_interval_s,
+        max_streams=max_streams,
+        draining=draining,
+        max_lifetime_s=stream_lifetime_s,
     )
 
     @router.get("/dashboard")

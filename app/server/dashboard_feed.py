@@ -7,7 +7,10 @@ snapshots instead of queueing them: nothing here grows with time or with a stall
 reader (what waits for its socket is bounded by the transport's buffer). At most
 ``max_streams`` are open at once (one more is refused); the task stops with the
 last stream, and every stream ends once ``draining`` is set (the server shuts
-down) or its client goes (Starlette cancels the response).
+down), its client goes (Starlette cancels the response), or it has run for
+``max_lifetime_s``: the browser's EventSource reconnects by itself ``RETRY_MS``
+later, through the password check again, and a client that keeps the slots
+cannot hold them for longer than that.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ log = logging.getLogger(__name__)
 
 # The browser's EventSource reconnects this long after a stream ended.
 RETRY_MS = 2000
+# A stream ends after this long (the page reconnects): long enough that a watcher
+# sees a reconnect rarely, short enough that a held slot comes back.
+MAX_LIFETIME_S = 300.0
 
 
 class SnapshotFeed:
@@ -43,7 +49,9 @@ class SnapshotFeed:
         max_streams: int = 4,
         timeout_s: float = 5.0,
         draining: asyncio.Event | None = None,
+        max_lifetime_s: float = MAX_LIFETIME_S,
     ) -> None:
+        self._max_lifetime_s = max_lifetime_s
         self._compute = compute
         self._interval_s = interval_s
         self._timeout_s = timeout_s
@@ -115,13 +123,19 @@ class SnapshotFeed:
         if self._draining.is_set():
             return
         yield f"retry: {RETRY_MS}\n\n".encode()
+        loop = asyncio.get_running_loop()
+        ends_at = loop.time() + self._max_lifetime_s
         # The newest snapshot at once, unless it is older than this run of the task.
         sent = self._version - 1 if self._fresh else self._version
-        while True:
+        while loop.time() < ends_at:
             while self._version <= sent:
                 if self._changed is None:
                     self._changed = asyncio.Event()
-                await self._changed.wait()
+                left_s = ends_at - loop.time()
+                if left_s <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left_s)
             sent = self._version
             if self._draining.is_set():
                 return

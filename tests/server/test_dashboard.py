@@ -386,3 +386,24 @@ async def test_only_the_listed_files_are_served(protected: Server) -> None:
     for name in ("admin.py", "..%2Fadmin.py", "dashboard.html", "nope.js"):
         reply = await get(f"{base}/dashboard/static/{name}", ADMIN)
         assert reply.status == 404, name
+
+
+async def test_a_stream_ends_after_its_lifetime_and_gives_its_slot_back() -> None:
+    """A client cannot hold the few stream slots forever: each stream ends after
+    its lifetime (the page's EventSource reconnects, through the password check)."""
+    router, feed = dashboard_router(
+        PRODUCTION, lambda: None, lambda: (True, ""), feed_interval_s=0.02, stream_lifetime_s=0.5
+    )
+    app = FastAPI()
+    app.include_router(router)
+    try:
+        async with serve(app) as url, events(url + "/dashboard/events", ADMIN) as stream:
+            assert await stream.next()
+            received = 1
+            async with asyncio.timeout(TIMEOUT_S):
+                while await stream.next():  # snapshots until the stream ends by itself
+                    received += 1
+            assert received > 1
+            await eventually(lambda: feed.streams == 0, "the stream's slot back")
+    finally:
+        await feed.aclose()
