@@ -184,11 +184,15 @@ def _add_tail_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
     _server_url(parser, "http://localhost:4849", "server URI, http(s):// or ws(s)://")
+    # The password never on the command line, where every local user's ps sees it:
+    # ZERO_ADMIN_PASSWORD, a file, or a prompt on a terminal (app/client/status.py).
     parser.add_argument(
-        "--password",
-        default=os.environ.get("ZERO_ADMIN_PASSWORD"),
-        help="admin password (default ZERO_ADMIN_PASSWORD)",
+        "--password-file",
+        type=Path,
+        help="a file holding the admin password (default: ZERO_ADMIN_PASSWORD, "
+        "else a prompt on a terminal if the server asks for one)",
     )
+    parser.add_argument("--password", help=argparse.SUPPRESS)  # deprecated: warns
 
 
 def _add_replicate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -25,10 +25,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import getpass
+import io
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TextIO
 
 from app.client.urls import parse_base_url
@@ -110,7 +115,7 @@ def show_status(url: str, *, password: str | None, out: TextIO, err: TextIO | No
             hint = (
                 "the admin password was rejected"
                 if password is not None
-                else "an admin password is required (--password or ZERO_ADMIN_PASSWORD)"
+                else "an admin password is required (ZERO_ADMIN_PASSWORD or --password-file)"
             )
             errors.write(f"changestreamer status: unauthorized (HTTP 401): {hint}\n")
         else:
@@ -132,9 +137,54 @@ def show_status(url: str, *, password: str | None, out: TextIO, err: TextIO | No
 
 
 def run_status(
-    args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None
+    args: argparse.Namespace,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    *,
+    environ: Mapping[str, str] = os.environ,
+    prompt: Callable[[], str | None] | None = None,
 ) -> int:
-    """Runs ``status`` for its parsed options (``app/cli.py``); the exit code."""
-    return show_status(
-        args.url, password=args.password, out=out if out is not None else sys.stdout, err=err
-    )
+    """Runs ``status`` for its parsed options (``app/cli.py``); the exit code.
+
+    The password comes from ``--password-file``, else ``ZERO_ADMIN_PASSWORD``; with
+    neither, a server that answers 401 is asked again with a password typed at a
+    prompt (on a terminal only). ``--password`` still works, with a warning: the
+    command line is visible to every local user."""
+    errors = err if err is not None else sys.stderr
+    output = out if out is not None else sys.stdout
+    password: str | None
+    if args.password is not None:
+        errors.write(
+            "changestreamer status: --password shows the password to every local user "
+            "(ps); use ZERO_ADMIN_PASSWORD or --password-file\n"
+        )
+        password = args.password
+    elif args.password_file is not None:
+        try:
+            password = Path(args.password_file).read_text(encoding="utf-8").rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as e:
+            errors.write(f"changestreamer status: cannot read --password-file: {e}\n")
+            return 2
+    else:
+        password = environ.get("ZERO_ADMIN_PASSWORD") or None
+    if password is not None:
+        return show_status(args.url, password=password, out=output, err=errors)
+    ask = prompt if prompt is not None else _terminal_prompt
+    quiet = io.StringIO()  # the 401 line only if no password can be asked for
+    code = show_status(args.url, password=None, out=output, err=quiet)
+    if code == 1 and "HTTP 401" in quiet.getvalue():
+        typed = ask()
+        if typed:
+            return show_status(args.url, password=typed, out=output, err=errors)
+    errors.write(quiet.getvalue())
+    return code
+
+
+def _terminal_prompt() -> str | None:
+    """The admin password typed at the terminal; None without one."""
+    if not sys.stdin.isatty():
+        return None
+    try:
+        return getpass.getpass("admin password: ")
+    except (EOFError, KeyboardInterrupt):
+        return None

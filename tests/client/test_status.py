@@ -14,6 +14,7 @@ import re
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -110,14 +111,41 @@ async def test_no_password_sends_no_credentials_and_says_what_is_missing(stub: S
     assert await status(stub.url, password=None, out=out, err=err) == 1
     assert "authorization" not in stub.requests[0][1]
     assert err.getvalue().count("\n") == 1
-    assert "--password or ZERO_ADMIN_PASSWORD" in err.getvalue()
+    assert "ZERO_ADMIN_PASSWORD or --password-file" in err.getvalue()
 
 
-async def test_the_argument_parser_reads_the_password(stub: Stub) -> None:
+async def test_the_password_comes_from_the_environment_or_a_file_not_argv(
+    stub: Stub, tmp_path: Path
+) -> None:
+    secret = tmp_path / "admin-password"
+    secret.write_text(PASSWORD + "\n")
+    from_env = build_parser().parse_args(["status", stub.url])
+    from_file = build_parser().parse_args(["status", stub.url, "--password-file", str(secret)])
+    results = []
+    for args, environ in ((from_env, {"ZERO_ADMIN_PASSWORD": PASSWORD}), (from_file, {})):
+        out, err = io.StringIO(), io.StringIO()
+        code = await asyncio.to_thread(run_status, args, out, err, environ=environ)
+        results.append((code, out.getvalue().startswith("=== changeLog ===\n"), err.getvalue()))
+    assert results == [(0, True, ""), (0, True, "")]
+    expected = "Basic " + base64.b64encode(f"admin:{PASSWORD}".encode()).decode()
+    assert [headers["authorization"] for _, headers in stub.requests] == [expected] * 2
+
+
+async def test_without_a_password_a_401_asks_at_the_prompt(stub: Stub) -> None:
+    args = build_parser().parse_args(["status", stub.url])
+    out, err = io.StringIO(), io.StringIO()
+    code = await asyncio.to_thread(run_status, args, out, err, environ={}, prompt=lambda: PASSWORD)
+    assert (code, err.getvalue()) == (0, "")
+    assert "authorization" not in stub.requests[0][1]  # asked first without
+    assert stub.requests[1][1]["authorization"].startswith("Basic ")
+
+
+async def test_password_on_argv_still_works_but_warns(stub: Stub) -> None:
     args = build_parser().parse_args(["status", stub.url, "--password", PASSWORD])
     out, err = io.StringIO(), io.StringIO()
-    assert await asyncio.to_thread(run_status, args, out, err) == 0
+    assert await asyncio.to_thread(run_status, args, out, err, environ={}) == 0
     assert out.getvalue().startswith("=== changeLog ===\n")
+    assert "use ZERO_ADMIN_PASSWORD or --password-file" in err.getvalue()
 
 
 async def test_an_unreachable_server_is_one_line_and_exit_code_1() -> None:
@@ -134,15 +162,23 @@ def test_format_statz_of_a_non_object() -> None:
     assert format_statz([1, 2]) == "[\n  1,\n  2\n]\n"
 
 
-async def test_through_a_pipe_the_command_prints_the_plain_text(stub: Stub) -> None:
-    done = await asyncio.to_thread(command, "status", stub.url, "--password", PASSWORD)
+def password_file(tmp_path: Path) -> str:
+    path = tmp_path / "admin-password"
+    path.write_text(PASSWORD + "\n")
+    return str(path)
+
+
+async def test_through_a_pipe_the_command_prints_the_plain_text(stub: Stub, tmp_path: Path) -> None:
+    done = await asyncio.to_thread(
+        command, "status", stub.url, "--password-file", password_file(tmp_path)
+    )
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout == PLAIN
 
 
-async def test_on_a_terminal_each_group_is_a_table_in_colour(stub: Stub) -> None:
+async def test_on_a_terminal_each_group_is_a_table_in_colour(stub: Stub, tmp_path: Path) -> None:
     code, shown, err = await asyncio.to_thread(
-        in_terminal, "status", stub.url, "--password", PASSWORD
+        in_terminal, "status", stub.url, "--password-file", password_file(tmp_path)
     )
     assert (code, err) == (0, "")
     assert ANSI.search(shown), shown
