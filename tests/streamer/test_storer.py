@@ -13,7 +13,7 @@ from app.protocol.canonical_json import dumps, loads
 from app.protocol.codec import reconstruct
 from app.protocol.errors import ErrorType
 from app.protocol.lexi import to_lexi
-from app.storage import AutoResetSignal, ChangeDb, ChangeLog, OwnershipLostError, Replication
+from app.storage import ChangeDb, ChangeLog, OwnershipLostError, Replication
 from app.streamer.downstream import Downstream
 from app.streamer.storer import Storer, WedgedError
 from app.streamer.subscriber import Change, Mode, Subscriber
