@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -196,6 +197,20 @@ class Settings(BaseModel):
     trusted_proxies: list[str] = Field(
         default_factory=list, validation_alias=_env("CHANGESTREAMER_TRUSTED_PROXIES")
     )
+    # Origins whose websocket upgrades the replication endpoints accept (comma list;
+    # browsers send an Origin, view-syncers none). Empty: every Origin gets 403.
+    allowed_origins: list[str] = Field(
+        default_factory=list, validation_alias=_env("CHANGESTREAMER_ALLOWED_ORIGINS")
+    )
+    # If set, replication upgrades need it as the HTTP Basic password (any user
+    # name; zero-cache sends it from ZERO_CHANGE_STREAMER_URI's user info), else 401.
+    replication_password: str | None = Field(
+        None, validation_alias=_env("CHANGESTREAMER_REPLICATION_PASSWORD")
+    )
+    # Snapshot reservations open at once, all tasks together (more are refused).
+    max_reservations: int = Field(
+        64, gt=0, validation_alias=_env("CHANGESTREAMER_MAX_RESERVATIONS")
+    )
     admin_password: str | None = Field(None, validation_alias=_env("ZERO_ADMIN_PASSWORD"))
     operator_password: str | None = Field(None, validation_alias=_env("ZERO_OPERATOR_PASSWORD"))
     node_env: str | None = Field(None, validation_alias=_env("NODE_ENV"))
@@ -328,9 +343,9 @@ class Settings(BaseModel):
             return self.backup_wedged_after_s
         return max(MIN_DEFAULT_WEDGED_AFTER_S, 2 * self.backup_interval_s)
 
-    @field_validator("app_publications", "trusted_proxies", mode="before")
+    @field_validator("app_publications", "trusted_proxies", "allowed_origins", mode="before")
     @classmethod
-    def _split_publications(cls, value: Any) -> Any:
+    def _split_list(cls, value: Any) -> Any:
         # Zero accepts a JSON array or a comma-separated list.
         if isinstance(value, str):
             text = value.strip()
@@ -338,6 +353,22 @@ class Settings(BaseModel):
                 return loads(text)  # ValueError, never RecursionError, for deep nesting
             return [p.strip() for p in text.split(",") if p.strip()]
         return value
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _check_origins(cls, value: list[str]) -> list[str]:
+        for origin in value:
+            if not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+/?|null", origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin (scheme://host[:port], as browsers send it)"
+                )
+        return value
+
+    @field_validator("replication_password", mode="before")
+    @classmethod
+    def _empty_password_is_none(cls, value: Any) -> Any:
+        # As with the admin password: an empty value (an unset shell variable) is none.
+        return None if value == "" else value
 
     @field_validator("speedups", mode="before")
     @classmethod

@@ -3,8 +3,10 @@
 The base URL is a change-streamer origin such as ``ws://host:4849`` (``http``
 and ``https`` mean ``ws`` and ``wss``); like zero, the client discards its
 path and query and talks to ``/replication/v{N}/changes`` and
-``/replication/v{N}/snapshot`` at the root. No authentication: the endpoint
-has none (wire.md §0).
+``/replication/v{N}/snapshot`` at the root. A server with
+``CHANGESTREAMER_REPLICATION_PASSWORD`` wants it as Basic auth: give it as
+``password`` or as the URL's user info (``ws://:secret@host:4849``); either is sent
+as the ``Authorization`` header, as zero-cache's client sends it.
 
 With ``protocol_version=7`` (or above), ``subscribe`` and ``reserve_snapshot``
 use the merged ``/replication/v7/subscribe`` socket instead (:mod:`app.client.v7`):
@@ -65,10 +67,13 @@ class ChangeStreamerClient:
         open_timeout_s: float = 10.0,
         close_timeout_s: float = 5.0,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        password: str | None = None,
     ) -> None:
         if protocol_version < 1:
             raise ValueError(f"protocol_version must be at least 1, got {protocol_version}")
         self.base: BaseURL = parse_base_url(base_url)
+        if password:
+            self.base = self.base.with_password(password)
         self.protocol_version = protocol_version
         self.options = ChannelOptions(
             liveness_timeout_s=liveness_timeout_s,

@@ -9,7 +9,7 @@ are accepted and mean ``ws``/``wss``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 __all__ = ["BaseURL", "parse_base_url"]
 
@@ -34,7 +34,18 @@ class BaseURL:
         url = f"{_HTTP_SCHEMES[self.scheme]}://{self.netloc}{path}"
         return f"{url}?{urlencode(query)}" if query else url
 
+    def with_password(self, password: str) -> BaseURL:
+        """The same origin with ``password`` as its user info's password (what the
+        replication endpoints check as Basic auth; the user name is kept or empty)."""
+        userinfo, at, hostport = self.netloc.rpartition("@")
+        user = userinfo.partition(":")[0] if at else ""
+        return BaseURL(self.scheme, f"{user}:{quote(password, safe='')}@{hostport}")
+
     def __str__(self) -> str:
+        # Never the password: this is what logs and errors show.
+        userinfo, at, hostport = self.netloc.rpartition("@")
+        if at and ":" in userinfo:
+            return f"{self.scheme}://{userinfo.partition(':')[0]}:***@{hostport}"
         return f"{self.scheme}://{self.netloc}"
 
     def __repr__(self) -> str:

@@ -17,14 +17,25 @@ import re
 from collections.abc import Callable, Mapping
 
 from fastapi import APIRouter, WebSocket
+from starlette.responses import PlainTextResponse
 
 from app.logs import bind_log_fields
 from app.protocol.lexi import InvalidWatermarkError, parse_state_version
+from app.server.replication_access import ReplicationAccess
 from app.server.subscribe_v7 import Session
 from app.server.transport import reject, stream_downstream
 from app.streamer.downstream import Downstream
-from app.streamer.reservations import BackupsNotConfiguredError, Reservation
-from app.streamer.service import ChangeStreamerService, SubscriberContext, TooManySubscribers
+from app.streamer.reservations import (
+    BackupsNotConfiguredError,
+    Reservation,
+    TooManyReservations,
+)
+from app.streamer.service import (
+    ChangeStreamerService,
+    StreamerOptions,
+    SubscriberContext,
+    TooManySubscribers,
+)
 from app.versions import MAX_PROTOCOL_VERSION, MIN_PROTOCOL_VERSION
 
 # ASCII digits only: \d would also take "v٦" (an Arabic-Indic six) as v6. At most 9,
@@ -80,16 +91,57 @@ def subscriber_context(path: str, query: Mapping[str, str]) -> SubscriberContext
     )
 
 
+def request_path(websocket: WebSocket) -> str:
+    """The request's path as the ASGI server parsed it from the request line.
+
+    Not ``websocket.url.path``: Starlette builds that URL from the ``Host`` header,
+    so a header such as ``Host: x/replication/v1/changes?`` could change the path
+    (and the protocol version) that the route did not match on.
+    """
+    path = websocket.scope.get("path", "")
+    return path if isinstance(path, str) else ""
+
+
+async def _deny(websocket: WebSocket, status: int, reason: str, headers: dict[str, str]) -> None:
+    """Answers the upgrade request with ``status`` (never accepting the socket)."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        response = PlainTextResponse(f"{reason}\n", status_code=status, headers=headers)
+        await websocket.send_denial_response(response)
+    else:  # a server without the denial extension answers a close before accept with 403
+        await websocket.close()
+
+
 def router(get_service: Callable[[], ChangeStreamerService]) -> APIRouter:
     """The replication websockets, as plain Starlette routes: each endpoint parses
     its own path and query (``subscriber_context``), so FastAPI's dependency
     resolution would only cost each new stream time (~7 % of the event loop under
-    connection churn, py-spy on ``bench.churn``)."""
+    connection churn, py-spy on ``bench.churn``).
+
+    Every upgrade is first checked by :class:`ReplicationAccess` (Origin, the
+    optional replication password), built from the service's options.
+    """
     routes = APIRouter()
+    built: list[tuple[StreamerOptions, ReplicationAccess]] = []
+
+    def access() -> ReplicationAccess:
+        options = get_service().options
+        if not built or built[0][0] is not options:
+            checks = ReplicationAccess(options.allowed_origins, options.replication_password)
+            built[:] = [(options, checks)]
+        return built[0][1]
+
+    async def admitted(websocket: WebSocket) -> bool:
+        refusal = access().check(websocket.scope)
+        if refusal is None:
+            return True
+        await _deny(websocket, refusal.status, refusal.reason, refusal.headers)
+        return False
 
     async def changes(websocket: WebSocket) -> None:
+        if not await admitted(websocket):
+            return
         try:
-            ctx = subscriber_context(websocket.url.path, websocket.query_params)
+            ctx = subscriber_context(request_path(websocket), websocket.query_params)
         except RequestError as e:
             await reject(websocket, str(e))
             return
@@ -110,47 +162,64 @@ def router(get_service: Callable[[], ChangeStreamerService]) -> APIRouter:
         await stream_downstream(websocket, downstream, name=ctx.id, batched=batched)
 
     async def subscribe(websocket: WebSocket) -> None:
+        if not await admitted(websocket):
+            return
         try:
-            protocol = protocol_version(websocket.url.path)
+            protocol = protocol_version(request_path(websocket))
             if protocol < 7:
                 raise RequestError(
                     f"the /subscribe endpoint requires protocol v7 (client is at v{protocol})"
                 )
-        except RequestError as e:
+            # Counted under the subscriber limit until it subscribes (the session
+            # then trades this place for the subscriber's own).
+            slot = get_service().admit_socket()
+        except (RequestError, TooManySubscribers) as e:
             await reject(websocket, str(e))
             return
-        await websocket.accept()
-        # The session adds the task and subscriber as its messages name them.
-        fields = bind_log_fields({"protocol": protocol})
-        await Session(websocket, get_service, log_fields=fields).run()
+        try:
+            await websocket.accept()
+            # The session adds the task and subscriber as its messages name them.
+            fields = bind_log_fields({"protocol": protocol})
+            await Session(websocket, get_service, log_fields=fields, slot=slot).run()
+        finally:
+            slot.release()
 
     async def snapshot(websocket: WebSocket) -> None:
+        if not await admitted(websocket):
+            return
         try:
-            protocol_version(websocket.url.path)
+            protocol_version(request_path(websocket))
             task_id = websocket.query_params.get("taskID") or ""
             if not task_id:
                 raise RequestError("Missing taskID in snapshot request")
             bind_log_fields({"task": task_id})
+            slot = get_service().admit_socket()
             try:
                 reservation = get_service().start_snapshot_reservation(task_id)
             except BackupsNotConfiguredError:
+                slot.release()
                 raise RequestError(
                     "replication-manager is not configured with a ZERO_LITESTREAM_BACKUP_URL"
                 ) from None
-        except RequestError as e:
+            except TooManyReservations as e:
+                slot.release()
+                raise RequestError(str(e)) from None
+        except (RequestError, TooManySubscribers) as e:
             await reject(websocket, str(e))
             return
-        await websocket.accept()
         downstream = Downstream()
-        relay = asyncio.create_task(_relay(reservation, downstream))
+        relay: asyncio.Task[None] | None = None
         try:
+            await websocket.accept()
+            relay = asyncio.create_task(_relay(reservation, downstream))
             await stream_downstream(websocket, downstream, name=f"snapshot-{task_id}")
         finally:
+            slot.release()
             reservation.cancel()  # a no-op once the task's subscription completed it
-            relay.cancel()
-
-            with contextlib.suppress(asyncio.CancelledError):
-                await relay
+            if relay is not None:
+                relay.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await relay
 
     for name, endpoint in (("changes", changes), ("subscribe", subscribe), ("snapshot", snapshot)):
         routes.add_websocket_route(f"/replication/{{version}}/{name}", endpoint)

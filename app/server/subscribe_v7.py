@@ -39,8 +39,17 @@ from app.protocol.envelope import (
 from app.protocol.lexi import InvalidWatermarkError, parse_state_version
 from app.server.transport import Outbound, ProtocolViolation, receive_frame, run_until_done
 from app.streamer.downstream import Downstream
-from app.streamer.reservations import BackupsNotConfiguredError, Reservation
-from app.streamer.service import ChangeStreamerService, SubscriberContext, TooManySubscribers
+from app.streamer.reservations import (
+    BackupsNotConfiguredError,
+    Reservation,
+    TooManyReservations,
+)
+from app.streamer.service import (
+    ChangeStreamerService,
+    SocketSlot,
+    SubscriberContext,
+    TooManySubscribers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +65,11 @@ class Session:
         get_service: Callable[[], ChangeStreamerService],
         *,
         log_fields: dict[str, object] | None = None,
+        slot: SocketSlot | None = None,
     ) -> None:
         self._websocket = websocket
+        self._slot = slot
+        self._first_message = asyncio.Event()
         self._get_service = get_service
         # The connection's log fields (``app.logs.bind_log_fields``), updated in place
         # as messages name the task and the subscriber: the tasks already running see it.
@@ -110,8 +122,19 @@ class Session:
         await self._outbound.pump(self._downstream, batched=True)
 
     async def _receive(self) -> None:
+        timeout_s = self._get_service().options.first_message_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
-            data = await receive_frame(self._websocket)
+            if self._first_message.is_set():
+                data = await receive_frame(self._websocket)
+            else:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        data = await receive_frame(self._websocket)  # cancel-safe (a queue)
+                except TimeoutError:
+                    raise ProtocolViolation(
+                        f"no reserve-snapshot or start-subscription within {timeout_s:g} s"
+                    ) from None
             if data is None:
                 return
             if not isinstance(data, str):
@@ -140,6 +163,7 @@ class Session:
         self._expected_client_id += 1
         for message in envelope.messages:
             await self._on_message(message)
+            self._first_message.set()
         await self._outbound.send_raw(ack_frame(envelope.id))
 
     async def _on_message(self, message: Any) -> None:
@@ -164,6 +188,8 @@ class Session:
             raise ProtocolViolation(
                 "replication-manager is not configured with a ZERO_LITESTREAM_BACKUP_URL"
             ) from None
+        except TooManyReservations as e:
+            raise ProtocolViolation(str(e)) from None
         if self._relay is not None:
             self._relay.cancel()
         self._reservation = reservation  # the service cancels the one it replaces
@@ -200,6 +226,9 @@ class Session:
         self._log_fields.update(ctx.log_fields())
         # Registering the subscriber closes this task's reservation: the
         # subscriber's own position protects the log from then on, so no gap.
+        # This socket's place under the limit becomes the subscriber's own.
+        if self._slot is not None:
+            self._slot.release()
         try:
             self._downstream = self._get_service().subscribe(ctx)
         except TooManySubscribers as e:

@@ -37,6 +37,7 @@ __all__ = [
     "Reservation",
     "ReservationOutcome",
     "SnapshotReservations",
+    "TooManyReservations",
 ]
 
 ReservationOutcome = Literal["open", "completed", "cancelled"]
@@ -46,6 +47,9 @@ ReservationOutcome = Literal["open", "completed", "cancelled"]
 _MAX_QUEUED: Final = 2
 # A restore of a large replica can take hours; longer than this is a stuck client.
 DEFAULT_MAX_OPEN_S: Final = 4 * 3600.0
+# Reservations open at once, all tasks together: one per restoring view-syncer, so
+# far more than a deployment has; anyone who can reach the port can open them.
+DEFAULT_MAX_RESERVATIONS: Final = 64
 
 
 class OpenReservation(NamedTuple):
@@ -64,6 +68,10 @@ class ChangeLogStateLike(Protocol):
 
     @property
     def min_watermark(self) -> str: ...
+
+
+class TooManyReservations(RuntimeError):
+    """The limit of open reservations is reached; the message says so."""
 
 
 class BackupsNotConfiguredError(RuntimeError):
@@ -156,9 +164,11 @@ class SnapshotReservations:
         *,
         replica_size: Callable[[], int | None] = lambda: None,
         max_open_s: float = DEFAULT_MAX_OPEN_S,
+        max_open: int = DEFAULT_MAX_RESERVATIONS,
         logger: logging.Logger | None = None,
     ) -> None:
         self._change_log_state = change_log_state
+        self._max_open = max_open
         self._replica_size = replica_size
         self._max_open_s = max_open_s
         self._backup_url = backup_url
@@ -185,14 +195,34 @@ class SnapshotReservations:
         if self._stopped:
             raise RuntimeError("snapshot reservations are stopped")
         previous = self._by_task.get(task_id)
-        reservation = Reservation(task_id, self._timers.monotonic(), self._forget)
+        if previous is None and len(self._by_task) >= self._max_open:
+            self._log.warning(
+                "refused a snapshot reservation for task %s: %d are open (the limit)",
+                task_id,
+                len(self._by_task),
+            )
+            raise TooManyReservations(
+                f"this change-streamer holds at most {self._max_open} snapshot "
+                "reservations; retry later"
+            )
+        now = self._timers.monotonic()
+        # A replacement keeps the replaced one's start: replacing a task's reservation
+        # again and again (anyone can) must not hold purging back beyond the cap.
+        opened_at = previous.opened_at if previous is not None else now
+        reservation = Reservation(task_id, opened_at, self._forget)
         self._by_task[task_id] = reservation
         reservation.expiry = self._timers.call_later(
-            self._max_open_s, lambda: self._expire(reservation)
+            max(0.0, opened_at + self._max_open_s - now), lambda: self._expire(reservation)
         )
         if previous is not None:
             previous.cancel()
-        self._log.info("snapshot reservation opened for task %s", task_id)
+            self._log.info(
+                "snapshot reservation of task %s replaced (open for %.1f s)",
+                task_id,
+                now - opened_at,
+            )
+        else:
+            self._log.info("snapshot reservation opened for task %s", task_id)
         if self._backup is not None:
             self._request_confirmation()
         return reservation
@@ -349,4 +379,10 @@ class SnapshotReservations:
         # superseded one being cancelled must leave its replacement alone.
         if self._by_task.get(reservation.task_id) is reservation:
             del self._by_task[reservation.task_id]
+            if reservation.outcome == "cancelled":
+                self._log.info(
+                    "snapshot reservation of task %s closed before its subscription",
+                    reservation.task_id,
+                    extra=log_extra({"task": reservation.task_id}),
+                )
         self._confirming.pop(reservation, None)

@@ -65,7 +65,12 @@ from app.streamer.histogram import LATENCY_BOUNDS_S, Histogram
 from app.streamer.loop_lag import LoopLag
 from app.streamer.pump import Pump
 from app.streamer.purge import CLEANUP_DELAY_S, CommitClock, Purger
-from app.streamer.reservations import DEFAULT_MAX_OPEN_S, Reservation, SnapshotReservations
+from app.streamer.reservations import (
+    DEFAULT_MAX_OPEN_S,
+    DEFAULT_MAX_RESERVATIONS,
+    Reservation,
+    SnapshotReservations,
+)
 from app.streamer.rowrun import encode_rows
 from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, DEFAULT_GROUP_MAX_ROWS, Storer
 from app.streamer.subscriber import Change, Mode, Subscriber, new_change, subscriber_log_fields
@@ -85,6 +90,19 @@ SWITCH_INTERVAL_S = 0.0005
 
 class TooManySubscribers(Exception):
     """The subscriber limit is reached; the message says so (the client retries)."""
+
+
+class SocketSlot:
+    """A ``/subscribe`` or ``/snapshot`` socket's place under the subscriber limit
+    (``ChangeStreamerService.admit_socket``); ``release`` is idempotent."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
 
 
 class UnrecoverableError(Exception):
@@ -125,6 +143,16 @@ class StreamerOptions:
     # stopped reading); it can resume from the change log.
     max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES
     max_subscribers: int = 1000
+    # A ``/v7/subscribe`` socket that sends no ``start-subscription`` or
+    # ``reserve-snapshot`` within this long is closed (it would hold a slot for ever).
+    first_message_timeout_s: float = 30.0
+    # Origins whose websocket upgrades are accepted (browsers send one; view-syncers
+    # do not); any other Origin gets 403 (app.server.replication_access).
+    allowed_origins: tuple[str, ...] = ()
+    # If set, replication upgrades need it as the Basic-auth password (else 401).
+    replication_password: str | None = None
+    # Snapshot reservations open at once, in all (more are refused).
+    max_reservations: int = DEFAULT_MAX_RESERVATIONS
     # Snapshot reservations open longer than this are ended (a stuck restore).
     reservation_max_s: float = DEFAULT_MAX_OPEN_S
     # The replica backups are made of; its size goes into reservation statuses.
@@ -174,6 +202,8 @@ class ChangeStreamerService:
         self.replication = Replication(db)
         self.acker = UpstreamAcker()
         self.loop_lag = LoopLag()  # how late the event loop runs (statz, metrics)
+        # /subscribe (not yet subscribed) and /snapshot sockets, under the limit too.
+        self._open_sockets = 0
         self.forwarder = Forwarder(
             timers=self._timers,
             timeout_proportion=self.options.timeout_proportion,
@@ -204,6 +234,7 @@ class ChangeStreamerService:
             self._timers,
             replica_size=self._replica_size,
             max_open_s=self.options.reservation_max_s,
+            max_open=self.options.max_reservations,
         )
 
         self.purger = Purger(
@@ -633,12 +664,7 @@ class ChangeStreamerService:
     def subscribe(self, ctx: SubscriberContext) -> Downstream:
         """Starts a subscription; errors arrive in-band on the returned channel.
         Raises :class:`TooManySubscribers` (before anything starts) at the limit."""
-        count = len(self.forwarder.active) + len(self.forwarder.queued)
-        if count >= self.options.max_subscribers:
-            raise TooManySubscribers(
-                f"this change-streamer serves at most {self.options.max_subscribers} "
-                "subscribers; retry later"
-            )
+        self._check_limit()
         if ctx.mode == "serving":
             self.serving_started.set()
         downstream = Downstream(
@@ -683,6 +709,26 @@ class ChangeStreamerService:
         if ctx.task_id is not None:
             self.reservations.close_for_task(ctx.task_id)
         return downstream
+
+    def _check_limit(self) -> None:
+        count = len(self.forwarder.active) + len(self.forwarder.queued) + self._open_sockets
+        if count >= self.options.max_subscribers:
+            raise TooManySubscribers(
+                f"this change-streamer serves at most {self.options.max_subscribers} "
+                "subscribers; retry later"
+            )
+
+    def admit_socket(self) -> SocketSlot:
+        """A place under the subscriber limit for a ``/subscribe`` socket before it
+        subscribes, or a ``/snapshot`` socket: each holds server resources as a
+        subscriber does, so each counts. Raises :class:`TooManySubscribers`."""
+        self._check_limit()
+        self._open_sockets += 1
+
+        def release() -> None:
+            self._open_sockets -= 1
+
+        return SocketSlot(release)
 
     def start_snapshot_reservation(self, task_id: str) -> Reservation:
         self.serving_started.set()

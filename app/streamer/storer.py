@@ -657,10 +657,11 @@ class Storer:
             found = found or skip > 0
             if not found and skip < len(batch):
                 watermark = batch[skip][0]
-                if mode == "backup":
-                    raise AutoResetSignal(
-                        f"backup replica at watermark {start} is behind change db: {watermark})"
-                    )
+                # Whatever the mode: zero's storer resets the service for a backup-mode
+                # subscriber here (its own backup replicator), but ours follows the log
+                # in a child process (app.runtime.log_follower, which fails with exit
+                # code 3 on its own), so a backup-mode subscriber comes from the network,
+                # and nothing a client says may stop or reset the service (issue 25).
                 sub.close(
                     ErrorType.WATERMARK_TOO_OLD,
                     f"earliest supported watermark is {watermark} (requested {start})",

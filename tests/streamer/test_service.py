@@ -452,17 +452,39 @@ async def test_reset_required_without_auto_reset_keeps_replicating(change_db: Ch
     await s.stop()
 
 
-async def test_a_backup_subscriber_behind_the_log_requires_a_reset(svc: Service) -> None:
+async def test_a_backup_subscriber_behind_the_log_is_too_old_and_the_service_serves_on(
+    svc: Service,
+) -> None:
+    # Issue 25: an anonymous socket with mode=backup at the replica version, once the
+    # log's start is purged, used to reset the service ("backup replica at watermark
+    # 01 is behind change db"). It is WatermarkTooOld like any other subscriber.
     stream = await svc.stream()
-    stream.push_all(txn("03"))
+    stream.push_all([*txn("02"), *txn("03")])
     await svc.durable("03")
-    await svc.log.purge_before("03", OWNER)
-    svc.subscribe("02", mode="backup")
-    with pytest.raises(AutoResetSignal, match="behind change db"):
-        await asyncio.wait_for(svc.run, 10)
+    # The service's own purge (short retention: the backup reached 03).
+    svc.service.track_backup_watermark("03")
+    svc.timers.advance(30)
+    await svc.service.purger.idle()
+    assert {w for w, _ in await svc.stored()} == {"03"}
+    backup = svc.subscribe(REPLICA_VERSION, id="anonymous", mode="backup")
+    assert (await collect(backup, 2))[-1:] == [
+        [
+            "error",
+            {
+                "type": int(ErrorType.WATERMARK_TOO_OLD),
+                "message": f"earliest supported watermark is 03 (requested {REPLICA_VERSION})",
+            },
+        ]
+    ]
+    live = svc.subscribe("03", id="live")
+    await svc.live(live)
+    stream.push_all(txn("04"))
+    assert [m[0] for m in await collect(live, 3)] == ["begin", "data", "commit"]  # type: ignore[index]
+    assert not svc.run.done()
     config = await Replication(svc.log.db).config()
     assert config is not None
-    assert config.reset_required
+    assert not config.reset_required
+    live.close()
 
 
 async def test_lag_reports_are_forwarded_to_live_subscribers(svc: Service) -> None:

@@ -1,0 +1,143 @@
+"""Who may open a replication websocket (issue 25), on a real server on loopback.
+
+Browsers apply no same-origin policy to websockets: an upgrade with an ``Origin``
+that is not allowed is refused before accept (403), while view-syncers (no Origin)
+get in. The optional replication password is Basic auth (401 when missing or
+wrong). Idle ``/v7/subscribe`` sockets are closed; ``/subscribe`` and ``/snapshot``
+sockets count toward the subscriber limit; the protocol version comes from the
+request line, never from the ``Host`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from app.client.client import ChangeStreamerClient
+from app.client.subscription import SubscriptionContext
+from app.protocol.canonical_json import dumps, loads
+
+from .conftest import Server, start_server
+
+BACKUP_URL = "file:///backups/replica"
+CHANGES = "/replication/v6/changes?id=a&replicaVersion=01&watermark=01"
+SNAPSHOT = "/replication/v6/snapshot?taskID=t1"
+SUBSCRIBE = "/replication/v7/subscribe"
+ENDPOINTS = [CHANGES, SNAPSHOT, SUBSCRIBE]
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Server]:
+    async for s in start_server(
+        tmp_path, backup_url=BACKUP_URL, allowed_origins=("https://Admin.Example:8443",)
+    ):
+        yield s
+
+
+async def status_of(url: str, headers: dict[str, str] | None = None) -> int:
+    """The HTTP status the upgrade got (101 if it was accepted)."""
+    try:
+        async with connect(url, additional_headers=headers, open_timeout=10):
+            return 101
+    except InvalidStatus as e:
+        return e.response.status_code
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+async def test_a_browser_origin_is_refused_before_accept(server: Server, path: str) -> None:
+    assert await status_of(server.url + path, {"Origin": "https://evil.example"}) == 403
+    assert await status_of(server.url + path, {"Origin": "null"}) == 403  # a sandboxed page
+    assert server.service.reservations.open_tasks == []  # nothing was reserved
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+async def test_no_origin_and_an_allowed_origin_are_accepted(server: Server, path: str) -> None:
+    assert await status_of(server.url + path) == 101
+    # Origins compare case-insensitively, a trailing slash aside.
+    assert await status_of(server.url + path, {"Origin": "https://admin.example:8443/"}) == 101
+
+
+async def test_refusals_are_logged_at_info_and_bounded(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "app.server.replication_access")
+    for _ in range(20):
+        assert await status_of(server.url + CHANGES, {"Origin": "https://evil.example"}) == 403
+    lines = [r for r in caplog.records if r.name == "app.server.replication_access"]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert lines[0].levelno == logging.INFO
+    assert "'https://evil.example' is not allowed" in lines[0].getMessage()
+
+
+@pytest.fixture
+async def guarded(tmp_path: Path) -> AsyncIterator[Server]:
+    async for s in start_server(tmp_path, backup_url=BACKUP_URL, replication_password="s3cr-t"):
+        yield s
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    return {"Authorization": f"Basic {token}"}
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+async def test_the_replication_password_is_required(guarded: Server, path: str) -> None:
+    url = guarded.url + path
+    assert await status_of(url) == 401
+    assert await status_of(url, basic("zero", "wrong")) == 401
+    assert await status_of(url, {"Authorization": "Bearer s3cr-t"}) == 401
+    assert await status_of(url, basic("zero", "s3cr-t")) == 101
+    # As Node's ws sends it from ZERO_CHANGE_STREAMER_URI's user info: any user name,
+    # the password as written in the URL (percent-escapes not decoded).
+    assert await status_of(url, basic("", "s3cr%2Dt")) == 101
+    # User info in the URL (websockets sends it as Basic auth, as ws does).
+    userinfo = guarded.url.replace("ws://", "ws://zero:s3cr-t@")
+    assert await status_of(userinfo + path) == 101
+
+
+async def test_a_browser_origin_is_refused_even_with_the_password(guarded: Server) -> None:
+    headers = {**basic("zero", "s3cr-t"), "Origin": "https://evil.example"}
+    assert await status_of(guarded.url + CHANGES, headers) == 403
+
+
+@pytest.mark.parametrize("version", [6, 7])
+async def test_our_client_sends_the_password(guarded: Server, version: int) -> None:
+    ctx = SubscriptionContext("me", "01", "01")
+    client = ChangeStreamerClient(guarded.url, protocol_version=version, password="s3cr-t")
+    async with await client.subscribe(ctx) as subscription:
+        assert subscription is not None
+    # And one without it is refused, with a one-line error.
+    with pytest.raises(Exception, match="401"):
+        await ChangeStreamerClient(guarded.url, protocol_version=version).subscribe(ctx)
+    assert "s3cr-t" not in repr(client.base)
+    assert "s3cr-t" not in str(client.base)
+
+
+async def test_an_idle_v7_subscribe_socket_is_closed_by_its_deadline(tmp_path: Path) -> None:
+    async for server in start_server(tmp_path, first_message_timeout_s=0.3):
+        async with connect(server.url + SUBSCRIBE) as ws:
+            with pytest.raises(ConnectionClosed) as closed:
+                await asyncio.wait_for(ws.recv(), 10)
+        assert closed.value.rcvd is not None
+        assert closed.value.rcvd.code == 1002
+        assert "no reserve-snapshot or start-subscription within 0.3 s" in closed.value.rcvd.reason
+
+
+async def test_a_v7_socket_that_sent_its_first_message_outlives_the_deadline(
+    tmp_path: Path,
+) -> None:
+    async for server in start_server(tmp_path, backup_url=BACKUP_URL, first_message_timeout_s=0.3):
+        async with connect(server.url + SUBSCRIBE) as ws:
+            await ws.send(dumps({"id": 1, "msg": ["reserve-snapshot", {"taskID": "t1"}]}))
+            assert loads(await asyncio.wait_for(ws.recv(), 10)) == {"ack": 1}
+            # Well past the deadline, the socket is still open (it waits for a backup).
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(ws.recv(), 1.0)
+            assert server.service.reservations.is_open("t1")
