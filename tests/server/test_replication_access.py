@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from app.client.client import ChangeStreamerClient
 from app.client.subscription import SubscriptionContext
 from app.protocol.canonical_json import dumps, loads
+from tests.waiting import eventually
 
 from .conftest import Server, start_server
 
@@ -141,3 +143,57 @@ async def test_a_v7_socket_that_sent_its_first_message_outlives_the_deadline(
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(ws.recv(), 1.0)
             assert server.service.reservations.is_open("t1")
+
+
+async def closed_with(url: str) -> tuple[int, str]:
+    """The close code and reason of a socket the server closes at once."""
+    async with connect(url, open_timeout=10) as ws:
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 10)
+    assert closed.value.rcvd is not None
+    return closed.value.rcvd.code, closed.value.rcvd.reason
+
+
+@pytest.mark.parametrize("holder", [SUBSCRIBE, SNAPSHOT])
+async def test_subscribe_and_snapshot_sockets_count_toward_the_subscriber_limit(
+    tmp_path: Path, holder: str
+) -> None:
+    async for server in start_server(tmp_path, backup_url=BACKUP_URL, max_subscribers=1):
+        async with connect(server.url + holder, open_timeout=10):
+            # The one place is this socket's: a subscriber, a second holder, refused.
+            for path in (CHANGES, holder):
+                code, reason = await closed_with(server.url + path)
+                assert code == 1002
+                assert "serves at most 1 subscribers" in reason
+        # The holder left: its place is free again (once the server saw it go).
+        await eventually(
+            functools.partial(subscribed, server.url + CHANGES), "a subscriber in the freed place"
+        )
+
+
+async def subscribed(url: str) -> bool:
+    """Whether a subscription at ``url`` gets its first message (not a refusal)."""
+    async with connect(url, open_timeout=10) as ws:
+        try:
+            return bool(loads(await asyncio.wait_for(ws.recv(), 10)))
+        except ConnectionClosed:
+            return False
+
+
+async def test_the_version_comes_from_the_request_line_not_the_host_header(
+    server: Server,
+) -> None:
+    """Starlette builds ``websocket.url`` from the Host header; a Host that holds a
+    path must not change the version parsed from the request line."""
+    host = "evil/replication/v7/subscribe?"
+    code, reason = await closed_with_host(server.url + "/replication/v99/changes?id=a", host)
+    assert code == 1002
+    assert "Cannot service client at protocol v99" in reason
+
+
+async def closed_with_host(url: str, host: str) -> tuple[int, str]:
+    async with connect(url, open_timeout=10, additional_headers={"Host": host}) as ws:
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 10)
+    assert closed.value.rcvd is not None
+    return closed.value.rcvd.code, closed.value.rcvd.reason
