@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from app.child_env import child_env
 from app.sources.backoff import Backoff
 from app.timeouts import within
 
@@ -66,9 +67,10 @@ def _plain_line(line: str) -> tuple[int, str]:
 class ChildSpec:
     name: str
     log: logging.Logger
-    # The command line (and environment, None: ours), prepared anew for every start.
+    # The command line and environment, prepared anew for every start. The default
+    # environment is the allow-listed minimum (app/child_env.py), never all of ours.
     command: Callable[[], Awaitable[Sequence[str]]]
-    env: Callable[[], Mapping[str, str] | None] = lambda: None
+    env: Callable[[], Mapping[str, str] | None] = child_env
     cwd: str | None = None
     parse_line: Callable[[str], tuple[int, str]] = _plain_line
     restart_initial_s: float = 1.0

@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from app.child_env import child_env
 from app.runtime.log_follower import CHANGE_DB_ENV, EXIT_RESYNC, POLL_S
 from app.storage.engine import Shard
 from app.supervise import LOG_LEVELS, ChildSpec, ChildState, SupervisedChild
@@ -116,9 +116,9 @@ class ReplicaFollower:
         ]
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env[CHANGE_DB_ENV] = self._change_db_url
-        return env
+        # The child reads the change DB's URL (its only secret) and no settings: its
+        # options come in argv (app/child_env.py).
+        return child_env(python=True, extra={CHANGE_DB_ENV: self._change_db_url})
 
 
 def parse_line(line: str) -> tuple[int, str]:
