@@ -121,16 +121,16 @@ class ReplicaFollower:
         return child_env(python=True, extra={CHANGE_DB_ENV: self._change_db_url})
 
 
-def parse_line(line: str) -> tuple[int, str]:
-    """The child logs JSON lines (``app.logs``): their level, and their message with
-    the traceback if any. Anything else (a traceback printed before its logging was
-    set up) is a warning."""
+def parse_line(line: str) -> tuple[int, str, str | None]:
+    """The child logs JSON lines (``app.logs``): their level, message and traceback
+    if any (logged as a traceback of ours: ``app.supervise.log_child_line``).
+    Anything else (a traceback printed before its logging was set up) is a warning."""
     try:
         record = json.loads(line) if line.startswith("{") else None
     except ValueError:
         record = None
     if not isinstance(record, dict) or not isinstance(record.get("message"), str):
-        return logging.WARNING, line
+        return logging.WARNING, line, None
     level = LOG_LEVELS.get(str(record.get("level")), logging.WARNING)
     exc = record.get("exc")
-    return level, f"{record['message']}\n{exc}" if exc else record["message"]
+    return level, record["message"], str(exc) if exc else None

@@ -227,12 +227,13 @@ async def test_the_child_exits_for_a_resync_and_is_not_restarted(
 
 def test_child_log_lines_keep_their_level() -> None:
     line = '{"time":"2026-12-01T10:00:00.123Z","level":"ERROR","logger":"x","message":"bad"}'
-    assert parse_line(line) == (40, "bad")
+    assert parse_line(line) == (40, "bad", None)
     warn = '{"level":"WARN","logger":"x","message":"slow","exc":"Traceback …\\nE: e"}'
-    assert parse_line(warn) == (30, "slow\nTraceback …\nE: e")
+    assert parse_line(warn) == (30, "slow", "Traceback …\nE: e")
     assert parse_line("Traceback (most recent call last):") == (
         30,
         "Traceback (most recent call last):",
+        None,
     )
 
 
