@@ -44,6 +44,7 @@ __all__ = [
     "RedactSecrets",
     "bind_log_fields",
     "configure_logging",
+    "escape_controls",
     "final_line",
     "log_extra",
     "log_level",
@@ -193,18 +194,50 @@ def _utc_time(record: logging.LogRecord) -> str:
     return f"{stamp}.{int(record.msecs):03d}Z"
 
 
+# Characters that end a line or drive a terminal, in a line a client's text may reach
+# (a subscriber id ``x%0AFORGED…`` would otherwise forge a whole line): C0 controls
+# but the tab, DEL, C1 controls (NEL among them) and Unicode's line separators.
+_CONTROL: Final = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+# What JSON leaves raw with ensure_ascii=False and a line reader may split on.
+_JSON_UNSAFE: Final = re.compile("[\x7f-\x9f\u2028\u2029]")
+_NAMED_ESCAPES: Final = {"\n": "\\n", "\r": "\\r"}
+
+
+def _escape_control(match: re.Match[str]) -> str:
+    c = match.group(0)
+    named = _NAMED_ESCAPES.get(c)
+    if named is not None:
+        return named
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def escape_controls(text: str) -> str:
+    """``text`` on one line: ``\\n``, ``\\r``, ``\\x1b``, ``\\u2028`` for the characters
+    ``_CONTROL`` names (a text line's message; fields are quoted and escaped)."""
+    return _CONTROL.sub(_escape_control, text)
+
+
+def _json_safe(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group(0)):04x}"
+
+
 def _text_value(value: object) -> str:
     text = str(value)
-    if not text or any(c.isspace() or c in "\"='" for c in text):
-        return json.dumps(text, ensure_ascii=False)
+    if not text or _CONTROL.search(text) or any(c.isspace() or c in "\"='" for c in text):
+        # json.dumps escapes quotes and C0 controls; the rest as a JSON line does.
+        return _JSON_UNSAFE.sub(_json_safe, json.dumps(text, ensure_ascii=False))
     return text
 
 
 class TextFormatter(logging.Formatter):
-    """``<UTC time> LEVEL logger: message key=value …``, then the traceback."""
+    """``<UTC time> LEVEL logger: message key=value …``, then the traceback.
+
+    The message and fields are one line whatever they hold (``escape_controls``);
+    only the traceback, which is ours, spans several."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{_utc_time(record)} {record.levelname} {record.name}: {record.getMessage()}"
+        message = escape_controls(record.getMessage())
+        line = f"{_utc_time(record)} {record.levelname} {record.name}: {message}"
         fields = _record_fields(record)
         if fields:
             line += "".join(f" {k}={_text_value(v)}" for k, v in fields.items() if v is not None)
@@ -247,8 +280,11 @@ class JsonFormatter(logging.Formatter):
             exc = f"{exc}\n{self.formatStack(record.stack_info)}".lstrip("\n")
         if exc:
             line["exc"] = exc
-        # default=str: a field of another type is shown, never a failed line.
-        return json.dumps(line, ensure_ascii=False, separators=(",", ":"), default=str)
+        # default=str: a field of another type is shown, never a failed line. json
+        # escapes newlines and C0 controls; C1 and U+2028/9 (line breaks to some
+        # readers) are escaped too, so one record is one line to every reader.
+        text = json.dumps(line, ensure_ascii=False, separators=(",", ":"), default=str)
+        return _JSON_UNSAFE.sub(_json_safe, text)
 
 
 # -- set-up -------------------------------------------------------------------

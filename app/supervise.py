@@ -28,10 +28,18 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from app.child_env import child_env
 from app.sources.backoff import Backoff
 from app.timeouts import within
 
-__all__ = ["LOG_LEVELS", "ChildSpec", "ChildState", "SupervisedChild"]
+__all__ = [
+    "LOG_LEVELS",
+    "ChildLine",
+    "ChildSpec",
+    "ChildState",
+    "SupervisedChild",
+    "log_child_line",
+]
 
 # Level names children print (Python's logging, litestream's WARN), as logging levels.
 LOG_LEVELS: Final = {
@@ -58,19 +66,38 @@ class ChildState:
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_LINES))
 
 
-def _plain_line(line: str) -> tuple[int, str]:
+# A child's output line as a spec's ``parse_line`` reads it: its level, its message
+# and (optionally) the traceback it carried.
+ChildLine = tuple[int, str] | tuple[int, str, str | None]
+
+
+def _plain_line(line: str) -> ChildLine:
     return logging.INFO, line
+
+
+def log_child_line(logger: logging.Logger, parsed: ChildLine) -> None:
+    """Logs a parsed child line. Its traceback goes where a traceback of ours goes
+    (the record's ``exc_text``: the lines after a text line, ``exc`` in JSON), so it
+    keeps its lines while the message, like every message, is kept to one."""
+    level, message = parsed[0], parsed[1]
+    trace = parsed[2] if len(parsed) > 2 else None
+    if not logger.isEnabledFor(level):
+        return
+    record = logger.makeRecord(logger.name, level, "(child)", 0, "%s", (message,), None)
+    record.exc_text = trace or None
+    logger.handle(record)
 
 
 @dataclass(frozen=True, slots=True)
 class ChildSpec:
     name: str
     log: logging.Logger
-    # The command line (and environment, None: ours), prepared anew for every start.
+    # The command line and environment, prepared anew for every start. The default
+    # environment is the allow-listed minimum (app/child_env.py), never all of ours.
     command: Callable[[], Awaitable[Sequence[str]]]
-    env: Callable[[], Mapping[str, str] | None] = lambda: None
+    env: Callable[[], Mapping[str, str] | None] = child_env
     cwd: str | None = None
-    parse_line: Callable[[str], tuple[int, str]] = _plain_line
+    parse_line: Callable[[str], ChildLine] = _plain_line
     restart_initial_s: float = 1.0
     restart_max_s: float = 60.0
     stable_after_s: float = 60.0
@@ -193,7 +220,7 @@ class SupervisedChild:
             line = raw.decode("utf-8", "replace").rstrip()
             if not line:
                 continue
-            level, text = self.spec.parse_line(line)
-            if level >= logging.WARNING:
-                self.state.recent_errors.append(text)
-            self.spec.log.log(level, "%s", text)
+            parsed = self.spec.parse_line(line)
+            if parsed[0] >= logging.WARNING:
+                self.state.recent_errors.append(parsed[1])
+            log_child_line(self.spec.log, parsed)

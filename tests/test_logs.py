@@ -149,6 +149,47 @@ def test_a_text_line_is_utc_time_level_logger_message_then_fields() -> None:
     )
 
 
+FORGED = "x\n2026-12-01T11:42:09.392Z ERROR changestreamer: FORGED\r\x1b[31mred\x85\u2028end"
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_client_chosen_id_cannot_forge_a_log_line(fmt: LogFormat) -> None:
+    """``?id=x%0AFORGED…``: the id, in the message and in the fields, stays on its
+    line, its control characters (newlines, ANSI escapes, C1, line separators) shown
+    escaped; our own traceback keeps its lines."""
+    logger, lines = _lines(fmt)
+    logger.info("subscriber %s connected", FORGED, extra=log_extra({"subscriber": FORGED}))
+    [line] = lines()
+    assert not any(c in line for c in "\r\x1b\x85\u2028"), repr(line)
+    if fmt == "text":
+        assert "subscriber x\\n2026-12-01T11:42:09.392Z ERROR changestreamer: FORGED\\r" in line
+        assert "\\x1b[31mred\\x85\\u2028end connected" in line
+        assert 'subscriber="x\\n2026' in line
+    else:
+        assert json.loads(line)["subscriber"] == FORGED
+    try:
+        raise ValueError("ours")
+    except ValueError:
+        logger.exception("failed")
+    if fmt == "text":
+        assert len(lines()) > 3  # the traceback: one line per frame, as before
+    else:
+        assert "\n" in json.loads(lines()[-1])["exc"]
+
+
+def test_a_child_s_traceback_keeps_its_lines_and_its_message_one_line() -> None:
+    from app.runtime.replica_follower import parse_line
+    from app.supervise import log_child_line
+
+    line = '{"level":"ERROR","message":"bad\\nFORGED","exc":"Traceback (most recent call last):'
+    parsed = parse_line(line + '\\n  x\\nE: e"}')
+    logger, lines = _lines("text")
+    log_child_line(logger, parsed)
+    out = lines()
+    assert out[0].endswith("ERROR tests.logs.text: bad\\nFORGED"), out
+    assert out[1:] == ["Traceback (most recent call last):", "  x", "E: e"]
+
+
 def test_a_json_line_is_one_object_shaped_like_zero_cache_s() -> None:
     logger, lines = _lines("json")
     try:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from app.child_env import child_env
+
 __all__ = [
     "BUILTIN_TEMPLATE",
     "BackupConfigError",
@@ -117,11 +119,19 @@ class LitestreamOptions:
             "ZERO_LITESTREAM_REGION": self.region or "",
         }
 
-    def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The child's environment: ours (credentials such as AWS_*) plus the variables."""
+    def substitutions(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """What a template's ``${VAR}`` may name: our environment plus the variables
+        (a user's template may name any variable of ours; the rendered file is 0600)."""
         env = dict(os.environ if base is None else base)
         env.update(self.variables())
         return env
+
+    def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """litestream's environment: the storage credentials (AWS_*, LITESTREAM_*, …)
+        and what any process needs, never the rest of ours (the upstream and admin
+        passwords: app/child_env.py). It runs with ``-no-expand-env``, so the
+        variables are in the rendered file, not here."""
+        return child_env(storage=True, environ=base)
 
     def template(self) -> str:
         if self.config_path is None:
@@ -146,7 +156,7 @@ class LitestreamOptions:
 
 def render(options: LitestreamOptions, environ: Mapping[str, str] | None = None) -> str:
     """The template with every variable filled in; BackupConfigError names a missing one."""
-    values = options.environment(environ)
+    values = options.substitutions(environ)
     missing: list[str] = []
 
     def fill(match: re.Match[str]) -> str:

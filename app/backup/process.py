@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Final
 
 from app.backup.config import BackupConfigError, LitestreamOptions, render
+from app.child_env import child_env
 from app.supervise import LOG_LEVELS, MAX_LINE, ChildSpec, SupervisedChild
 from app.supervise import ChildState as RunnerState
 from app.timeouts import within
@@ -31,6 +32,8 @@ __all__ = [
     "LitestreamRunner",
     "RunnerState",
     "check_version",
+    "config_path",
+    "remove_config",
     "run_litestream",
     "write_config",
 ]
@@ -47,14 +50,38 @@ _TEXT_LEVEL = re.compile(r"\blevel=([A-Za-z]+)")
 _TEXT_TIME = re.compile(r"^time=\S+\s+")
 
 
-def write_config(options: LitestreamOptions) -> Path:
-    """Renders the configuration beside the replica (``.<replica>.litestream.yml``)."""
-    path = options.replica_file.with_name(f".{options.replica_file.name}.litestream.yml")
+def config_path(options: LitestreamOptions, purpose: str = "replicate") -> Path:
+    """Where ``write_config`` puts the configuration for one use: beside the replica
+    (``.<replica>.litestream.yml``; a restore's is ``.<replica>.litestream-restore.yml``,
+    so that a restore never replaces or removes a running litestream's)."""
+    tag = "" if purpose == "replicate" else f"-{purpose}"
+    return options.replica_file.with_name(f".{options.replica_file.name}.litestream{tag}.yml")
+
+
+def write_config(options: LitestreamOptions, purpose: str = "replicate") -> Path:
+    """Renders the configuration beside the replica, readable by us only.
+
+    The file holds whatever secrets the template names (substituted from our
+    environment), so it is created 0600 with O_EXCL|O_NOFOLLOW: whatever is at its
+    path first (a stale one from a crash, or a symlink someone planted) is unlinked —
+    the link itself, never what it points at — and a file created in between makes
+    the create fail rather than be written through. ``remove_config`` removes it
+    once its process ended."""
+    path = config_path(options, purpose)
     text = render(options)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
     return path
+
+
+def remove_config(options: LitestreamOptions, purpose: str = "replicate") -> None:
+    """Removes what ``write_config`` wrote for ``purpose`` (if it is still there)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(config_path(options, purpose))
 
 
 class LitestreamRunner:
@@ -88,7 +115,11 @@ class LitestreamRunner:
     async def run(self) -> None:
         """Runs the child until ``stop``, restarting it with backoff when it exits."""
         log.info("backing up %s to %s", self._options.replica_file, self._options.backup_url)
-        await self._child.run()  # litestream has no final exit code: only stop ends it
+        try:
+            await self._child.run()  # litestream has no final exit code: only stop ends it
+        finally:
+            # litestream has read it; it holds secrets, so it does not outlive the run.
+            await asyncio.to_thread(remove_config, self._options)
 
     async def stop(self) -> None:
         """Stops the child (SIGTERM, then SIGKILL after STOP_TIMEOUT_S)."""
@@ -159,7 +190,9 @@ async def run_litestream(
 async def check_version(executable: Path) -> str:
     """The executable's version; BackupConfigError unless it is litestream v0.5."""
     try:
-        code, out = await run_litestream(executable, ["version"], timeout_s=30)
+        code, out = await run_litestream(
+            executable, ["version"], env=child_env(storage=True), timeout_s=30
+        )
     except (OSError, TimeoutError) as e:
         raise BackupConfigError(f"cannot run {executable}: {e}") from None
     version = out.strip().splitlines()[-1].strip() if out.strip() else ""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Final
 
 from app.backup.config import LitestreamOptions
-from app.backup.process import run_litestream, write_config
+from app.backup.process import remove_config, run_litestream, write_config
 from app.progress import Job, ProgressView
 from app.replica.errors import ReplicaError
 from app.replica.schema import ReplicaState, read_replica_state, remove_replica_files
@@ -101,7 +101,7 @@ async def _restore_once(options: LitestreamOptions, staging: Path, timeout_s: fl
     remove_replica_files(staging)
     # The configuration names the replica's real path (restore looks the database
     # up by it); the output goes to the staging file.
-    config = await asyncio.to_thread(write_config, options)
+    config = await asyncio.to_thread(write_config, options, "restore")
     args = [
         "restore",
         "-config",
@@ -125,9 +125,9 @@ async def _restore_once(options: LitestreamOptions, staging: Path, timeout_s: fl
         raise RestoreError(f"cannot run {options.executable}: {e}") from None
     finally:
         _remove_leftovers(staging)
-        # The configuration was for this one run (a replicating litestream writes its own).
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(config)
+        # The configuration was for this one run (a replicating litestream writes its
+        # own), and it holds secrets.
+        remove_config(options, "restore")
     if code != 0:
         remove_replica_files(staging)
         last = output.strip().splitlines()[-1] if output.strip() else "(no output)"

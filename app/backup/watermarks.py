@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import sqlite3
 import sys
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from app.child_env import child_env
 from app.sources.backoff import Backoff
 from app.timeouts import within
 
@@ -161,7 +161,8 @@ class VfsProbe:
     async def _ensure(self) -> asyncio.subprocess.Process:
         if self._proc is not None and self._proc.returncode is None:
             return self._proc
-        env = dict(os.environ)
+        # The VFS reads the storage credentials (AWS_*, …) and these; nothing else of ours.
+        env = child_env(storage=True)
         env["LITESTREAM_REPLICA_URL"] = self._replica_url
         env["LITESTREAM_LOG_LEVEL"] = "INFO"
         if self._log_file:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from app.child_env import child_env
 from app.runtime.log_follower import CHANGE_DB_ENV, EXIT_RESYNC, POLL_S
 from app.storage.engine import Shard
 from app.supervise import LOG_LEVELS, ChildSpec, ChildState, SupervisedChild
@@ -116,21 +116,21 @@ class ReplicaFollower:
         ]
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env[CHANGE_DB_ENV] = self._change_db_url
-        return env
+        # The child reads the change DB's URL (its only secret) and no settings: its
+        # options come in argv (app/child_env.py).
+        return child_env(python=True, extra={CHANGE_DB_ENV: self._change_db_url})
 
 
-def parse_line(line: str) -> tuple[int, str]:
-    """The child logs JSON lines (``app.logs``): their level, and their message with
-    the traceback if any. Anything else (a traceback printed before its logging was
-    set up) is a warning."""
+def parse_line(line: str) -> tuple[int, str, str | None]:
+    """The child logs JSON lines (``app.logs``): their level, message and traceback
+    if any (logged as a traceback of ours: ``app.supervise.log_child_line``).
+    Anything else (a traceback printed before its logging was set up) is a warning."""
     try:
         record = json.loads(line) if line.startswith("{") else None
     except ValueError:
         record = None
     if not isinstance(record, dict) or not isinstance(record.get("message"), str):
-        return logging.WARNING, line
+        return logging.WARNING, line, None
     level = LOG_LEVELS.get(str(record.get("level")), logging.WARNING)
     exc = record.get("exc")
-    return level, f"{record['message']}\n{exc}" if exc else record["message"]
+    return level, record["message"], str(exc) if exc else None

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from app.child_env import child_env
 from app.protocol.pieces import Pieces, Text
 from app.storage import sqlite_group
 from app.storage.errors import ChangeTooLargeError, DuplicateChangeError, StorageError
@@ -165,6 +166,7 @@ class SqliteWriterProcess:
                 str(self._busy_timeout_ms),
                 self._statements.to_json(),
                 pass_fds=(theirs.fileno(),),
+                env=child_env(),  # it reads no variable: none of our secrets either
                 stdin=asyncio.subprocess.DEVNULL,
             )
         except BaseException as e:

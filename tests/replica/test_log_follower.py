@@ -227,10 +227,52 @@ async def test_the_child_exits_for_a_resync_and_is_not_restarted(
 
 def test_child_log_lines_keep_their_level() -> None:
     line = '{"time":"2026-12-01T10:00:00.123Z","level":"ERROR","logger":"x","message":"bad"}'
-    assert parse_line(line) == (40, "bad")
+    assert parse_line(line) == (40, "bad", None)
     warn = '{"level":"WARN","logger":"x","message":"slow","exc":"Traceback …\\nE: e"}'
-    assert parse_line(warn) == (30, "slow\nTraceback …\nE: e")
+    assert parse_line(warn) == (30, "slow", "Traceback …\nE: e")
     assert parse_line("Traceback (most recent call last):") == (
         30,
         "Traceback (most recent call last):",
+        None,
     )
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+async def test_the_child_gets_no_secret_of_the_parent_s_environment(
+    tmp_path: Path, replica: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The follower reads the change DB's URL and nothing else of ours: the upstream
+    and admin passwords in our environment never reach it (app/child_env.py)."""
+    monkeypatch.setenv("ZERO_ADMIN_PASSWORD", "admin-secret-1")
+    monkeypatch.setenv("ZERO_OPERATOR_PASSWORD", "operator-secret-1")
+    monkeypatch.setenv("ZERO_UPSTREAM_DB", "postgresql://u:upstream-secret-1@127.0.0.1/db")
+    db = make_db("sqlite", tmp_path, pg_url)
+    from app.storage import migrate
+
+    await migrate(db)
+    replication = Replication(db)
+    await replication.ensure_config(SubscriptionState("01", ("pub",), "01"), auto_reset=False)
+    await replication.assume_ownership(OWNER, "127.0.0.1:4849")
+    await ChangeLog(db).commit_rows(OWNER, tx("02", create_table(), create_index()), "02")
+    follower = ReplicaFollower(replica, str(db.url.database), db.shard, poll_s=3600)
+    running = asyncio.create_task(follower.run())
+    try:
+
+        def version() -> str:
+            return str(rows(replica, 'SELECT "stateVersion" FROM "_zero.replicationState"')[0][0])
+
+        await _eventually(lambda: version() == "02", "the log's first commit")
+        pid = follower.state.pid
+        assert pid is not None
+        env = _environ_of(pid)
+    finally:
+        await follower.stop()
+        assert await running is False
+        await db.dispose()
+    assert env[CHANGE_DB_ENV] == str(db.url.database)
+    assert not [k for k in env if k.startswith("ZERO_")], env
+    assert not [v for v in env.values() if "secret-1" in v]
