@@ -16,6 +16,7 @@ from app.streamer.reservations import (
     BackupsNotConfiguredError,
     Reservation,
     SnapshotReservations,
+    TooManyReservations,
 )
 from app.streamer.timers import ManualTimers
 
@@ -421,5 +422,40 @@ async def test_a_completed_reservation_does_not_expire_later() -> None:
         assert r.outcome == "completed"
         assert timers.pending() == []  # its expiry timer is gone
         assert reservations.longest_completed_s == 100
+    finally:
+        await reservations.stop()
+
+
+async def test_reservations_are_bounded_in_number_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.streamer.reservations")
+    timers = ManualTimers()
+    reservations = SnapshotReservations(ChangeLogStates(), BACKUP_URL, timers, max_open=2)
+    try:
+        reservations.open("a")
+        reservations.open("b")
+        with pytest.raises(TooManyReservations, match="at most 2 snapshot reservations"):
+            reservations.open("c")
+        reservations.open("b")  # a replacement takes no new place
+        assert reservations.open_tasks == ["a", "b"]
+        lines = [r.getMessage() for r in caplog.records]
+        assert "snapshot reservation opened for task a" in lines
+        assert any(line.startswith("snapshot reservation of task b replaced") for line in lines)
+        assert any("refused a snapshot reservation for task c" in line for line in lines)
+    finally:
+        await reservations.stop()
+
+
+async def test_replacing_a_reservation_does_not_extend_its_cap() -> None:
+    timers = ManualTimers()
+    reservations = SnapshotReservations(ChangeLogStates(), BACKUP_URL, timers, max_open_s=100.0)
+    try:
+        reservations.open("a")
+        timers.advance(60.0)
+        reservations.open("a")  # anyone may replace it: the cap still counts from the first
+        timers.advance(41.0)
+        await asyncio.sleep(0)
+        assert not reservations.is_open("a")
     finally:
         await reservations.stop()
