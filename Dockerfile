@@ -11,6 +11,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
+COPY constraints.txt ./
 COPY app ./app
 COPY migrations ./migrations
 RUN python -m pip wheel --no-cache-dir --no-deps -w dist .
@@ -22,7 +23,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     ZERO_CHANGE_STREAMER_HOST=0.0.0.0 \
     ZERO_REPLICA_FILE=/data/zero.db
 COPY --from=build /src/dist/ /tmp/dist/
-RUN pip install --no-cache-dir /tmp/dist/*.whl && rm -rf /tmp/dist \
+COPY --from=build /src/constraints.txt /tmp/constraints.txt
+# The dependencies at the versions tested (constraints.txt), as CI installs them.
+RUN pip install --no-cache-dir -c /tmp/constraints.txt /tmp/dist/*.whl \
+    && rm -rf /tmp/dist /tmp/constraints.txt \
     && useradd --system --uid 10001 --user-group --home-dir /srv/changestreamer \
        --create-home changestreamer \
     && mkdir -p /data && chown changestreamer:changestreamer /data
@@ -31,8 +35,9 @@ WORKDIR /srv/changestreamer
 
 VOLUME /data
 EXPOSE 4849
-# /ready: 200 once the service streams (and, with backups, once the backup covers
-# the replica); 503 before. The start period covers an initial sync.
-HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
-    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:4849/ready', timeout=2)"
+# Liveness (/), not readiness (/ready): a long initial sync or a wedged backup makes
+# the service not ready, not unhealthy, and Docker must not act on it. The port is
+# serve's: ZERO_CHANGE_STREAMER_PORT, else ZERO_PORT + 1.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
+    CMD python -c "import os, urllib.request; port = os.environ.get('ZERO_CHANGE_STREAMER_PORT') or int(os.environ.get('ZERO_PORT') or 4848) + 1; urllib.request.urlopen(f'http://127.0.0.1:{port}/', timeout=2)"
 CMD ["changestreamer", "serve"]

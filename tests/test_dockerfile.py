@@ -10,6 +10,7 @@ that goes missing fails here, as it would fail the image.
 
 from __future__ import annotations
 
+import http.server
 import os
 import re
 import shlex
@@ -17,10 +18,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 import venv
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import pytest
 
@@ -134,13 +137,20 @@ def test_the_image_has_a_build_stage_and_a_slim_runtime_without_a_compiler() -> 
     assert any("gcc" in run for run in build.args("RUN"))
     assert runtime.base.endswith("-slim")
     assert not any(re.search(r"\b(gcc|cc|clang|build-essential)\b", r) for r in runtime.args("RUN"))
-    # It installs the wheel the build stage made, and nothing from the source tree.
-    assert runtime.args("COPY") == ["--from=build /src/dist/ /tmp/dist/"]
-    assert any("pip install" in r and "/tmp/dist/*.whl" in r for r in runtime.args("RUN"))
+    # It installs the wheel the build stage made at the versions tested, and nothing
+    # else from the source tree.
+    assert runtime.args("COPY") == [
+        "--from=build /src/dist/ /tmp/dist/",
+        "--from=build /src/constraints.txt /tmp/constraints.txt",
+    ]
+    assert any(
+        "pip install" in r and "-c /tmp/constraints.txt" in r and "/tmp/dist/*.whl" in r
+        for r in runtime.args("RUN")
+    )
     assert runtime.args("CMD") == ['["changestreamer", "serve"]']
 
 
-def test_the_image_runs_as_a_non_root_user_and_checks_ready() -> None:
+def test_the_image_runs_as_a_non_root_user() -> None:
     runtime = parse(DOCKERFILE.read_text())[-1]
     users = runtime.args("USER")
     assert users, "no USER: the service would run as root"
@@ -149,10 +159,49 @@ def test_the_image_runs_as_a_non_root_user_and_checks_ready() -> None:
     last_user = max(i for i, (ins, _) in enumerate(runtime.steps) if ins == "USER")
     assert all(ins != "RUN" for ins, _ in runtime.steps[last_user:])
     assert any("useradd" in r and users[-1] in r for r in runtime.args("RUN"))
-    (check,) = runtime.args("HEALTHCHECK")
-    assert "CMD " in check
-    assert "http://127.0.0.1:4849/ready" in check
     assert "4849" in runtime.args("EXPOSE")
+
+
+class _Probed(http.server.BaseHTTPRequestHandler):
+    """``/`` answers ``root_status``, ``/ready`` 503 (a service not ready yet)."""
+
+    root_status = 200
+
+    def do_GET(self) -> None:
+        self.send_response(self.root_status if self.path == "/" else 503)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _health_check(env: dict[str, str]) -> int:
+    """Runs the image's HEALTHCHECK command (its ``python -c``) here; its exit status."""
+    (check,) = parse(DOCKERFILE.read_text())[-1].args("HEALTHCHECK")
+    command = shlex.split(check.split("CMD ", 1)[1])
+    assert command[:2] == ["python", "-c"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_")}
+    done = subprocess.run(
+        [sys.executable, "-c", command[2]], env={**clean, **env}, capture_output=True, timeout=30
+    )
+    return done.returncode
+
+
+@pytest.mark.parametrize("root_status", [200, 500])
+def test_the_health_check_probes_liveness_at_the_configured_port(root_status: int) -> None:
+    """Docker's health check asks ``/`` (a service still syncing or waiting for its
+    backup is alive, only not ready) at serve's port, however it is configured."""
+    handler = type("Probed", (_Probed,), {"root_status": root_status})
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            port = server.server_address[1]
+            by_port = _health_check({"ZERO_CHANGE_STREAMER_PORT": str(port)})
+            by_zero_port = _health_check({"ZERO_PORT": str(port - 1)})
+        finally:
+            server.shutdown()
+    healthy = root_status == 200
+    assert (by_port == 0, by_zero_port == 0) == (healthy, healthy)
 
 
 @pytest.mark.skipif(compiler() is None, reason="no C compiler: the wheel would carry no C helpers")
