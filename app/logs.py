@@ -88,12 +88,20 @@ def log_level(value: str) -> int:
 # -- secrets ------------------------------------------------------------------
 
 # scheme://user:password@ — any scheme (postgres, ws, http, s3). The password runs
-# to the first "@": it may hold "/" when not percent-encoded, and hiding too much
-# beats showing a password.
-_URL_PASSWORD: Final = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]*):[^\s@]*@")
+# to the first "@" on its line: it may hold "/" or a space when not percent-encoded
+# (libpq then refuses the URL, and the error quotes it), and hiding too much beats
+# showing a password.
+_URL_PASSWORD: Final = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]*):[^@\n]{0,512}@")
 # libpq's key=value conninfo (password='a b' or password=x), also in a query string.
 _CONNINFO_PASSWORD: Final = re.compile(
     r"(?i)\b((?:ssl)?passw(?:or)?d\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s&#]+)"
+)
+# libpq's URI parse errors that quote one piece of the URI, which may be all or part
+# of the password (``invalid percent-encoded token: "s3cr%zzet"``); errors that quote
+# the whole URI are covered by the URL rule above.
+_LIBPQ_TOKEN: Final = re.compile(
+    r"((?:invalid percent-encoded token|invalid URI query parameter|"
+    r'unexpected spaces found in)\s*:?\s*)"[^"]*"'
 )
 # Query parameters whose name says secret: a custom source's ?apiKey=, a signed
 # URL's X-Amz-Signature / X-Amz-Credential, ?token=, ?secret=.
@@ -105,8 +113,9 @@ _SECRET_PARAM: Final = re.compile(
 
 def redact(text: str) -> str:
     """``text`` with every password and secret-looking parameter replaced by ``***``."""
-    if "@" not in text and "=" not in text:
+    if "@" not in text and "=" not in text and '"' not in text:
         return text  # the common line: nothing that could hold a secret
+    text = _LIBPQ_TOKEN.sub(r'\1"***"', text)
     text = _URL_PASSWORD.sub(r"\1:***@", text)
     text = _CONNINFO_PASSWORD.sub(r"\1***", text)
     return _SECRET_PARAM.sub(r"\1***", text)

@@ -181,6 +181,21 @@ def test_serve_refuses_to_start_without_an_admin_password_outside_development(
     ]
 
 
+@pytest.mark.parametrize("password", ["s3cr%zzet", "s3cr t"])
+def test_a_url_libpq_cannot_parse_never_shows_its_password(tmp_path: Path, password: str) -> None:
+    """libpq's parse errors quote the piece they could not parse, which may be the
+    password: the line that says why serve stops must not show it."""
+    result = run_cli(
+        ["serve", "--port", str(free_port())],
+        tmp_path,
+        NODE_ENV="development",
+        ZERO_UPSTREAM_DB=f"postgres://user:{password}@127.0.0.1:5432/db",
+    )
+    assert result.returncode == 1
+    assert "s3cr" not in result.stdout + result.stderr
+    assert "invalid connection string" in result.stderr.strip().splitlines()[-1]
+
+
 def test_the_discovery_address_is_never_a_wildcard(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
