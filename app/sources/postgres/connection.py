@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
+import ssl
 import struct
 from collections import deque
 from collections.abc import Sequence
@@ -65,8 +67,14 @@ _HIGH_WATER_BYTES: Final = 8 << 20
 _LOW_WATER_BYTES: Final = 2 << 20
 # At most this much is read in one turn of the event loop (see _ReadGate).
 _READ_BYTES_PER_TURN: Final = 1 << 20
-# Postgres builds a message in a buffer of at most 1 GB.
+# Postgres builds a message in a buffer of at most 1 GB: a CopyData frame may be
+# that long. An error or a notice carries at most a few KiB of text; any other
+# message this connection reads (startup, authentication, parameters, the COPY
+# start and end) is tiny: libpq takes such a message over 30,000 bytes for a sign
+# that the stream is lost. A hostile server must not make us hold a gigabyte for one.
 _MAX_MESSAGE_BYTES: Final = 1 << 30
+_MAX_NOTICE_BYTES: Final = 1 << 20
+_MAX_CONTROL_BYTES: Final = 30_000
 _HEADER: Final = struct.Struct("!BI")
 
 _COPY_DATA: Final = ord("d")
@@ -152,7 +160,7 @@ class BackendMessages:
                     kind, length = _HEADER.unpack_from(data, pos)
                     pos += _HEADER.size
                 size = length - 4
-                if not 0 <= size <= _MAX_MESSAGE_BYTES:
+                if not 0 <= size <= _max_size(kind):
                     raise ProtocolViolation(f"invalid message length {length} (type {kind:#x})")
                 if n - pos >= size:  # the whole message is in this read
                     self._push(kind, view[pos : pos + size], size)
@@ -210,6 +218,12 @@ class BackendMessages:
         else:
             self._pending.append(whole)
             self._pending_bytes = len(whole)
+
+
+def _max_size(kind: int) -> int:
+    if kind == _COPY_DATA:
+        return _MAX_MESSAGE_BYTES
+    return _MAX_NOTICE_BYTES if kind in (_ERROR, _NOTICE) else _MAX_CONTROL_BYTES
 
 
 def _joined(payload: Payload) -> bytes:
@@ -418,36 +432,34 @@ class ReplicationConnection:
 
     @classmethod
     async def connect(cls, conninfo: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> Self:
-        """Tries each host in turn (and for ``sslmode=allow``, plain then TLS)."""
+        """Tries each host in turn (and for ``sslmode=allow``, plain then TLS), each
+        attempt within ``connect_timeout`` (else ``timeout_s``): a host that takes
+        the whole wait leaves the next one its own."""
         params = pgwire.parse_conninfo(conninfo)
+        per_attempt_s = params.connect_timeout_s or timeout_s
         failures: list[str] = []
         sqlstate: str | None = None
-        where = ""
-        try:
-            async with asyncio.timeout(timeout_s):
-                for host, port in params.hosts:
-                    unix = host.startswith("/")
-                    where = (
-                        f'on socket "{os.path.join(host, f".s.PGSQL.{port}")}"'
-                        if unix
-                        else f'at "{host}", port {port}'
-                    )
-                    attempts = [False] if unix or params.sslmode == "disable" else [True]
-                    if params.sslmode == "allow" and not unix:
-                        attempts = [False, True]
-                    for tls in attempts:
-                        try:
-                            async with asyncio.timeout(params.connect_timeout_s):
-                                wire, pid = await _open(params, host, port, tls=tls)
-                            return cls(wire, pid)
-                        except (OSError, pgwire.ConnectError) as e:  # OSError: also timeouts
-                            sqlstate = getattr(e, "sqlstate", None)
-                            reason = str(e) or "timeout expired"
-                            failures.append(f"connection to server {where} failed: {reason}")
-        except TimeoutError:
-            failures.append(
-                f"connection to server {where} failed: timeout expired after {timeout_s:g} s"
+        for host, port in params.hosts:
+            unix = host.startswith("/")
+            where = (
+                f'on socket "{os.path.join(host, f".s.PGSQL.{port}")}"'
+                if unix
+                else f'at "{host}", port {port}'
             )
+            attempts = [False] if unix or params.sslmode == "disable" else [True]
+            if params.sslmode == "allow" and not unix:
+                attempts = [False, True]
+            for tls in attempts:
+                try:
+                    async with asyncio.timeout(per_attempt_s):
+                        wire, pid = await _open(params, host, port, tls=tls)
+                    return cls(wire, pid)
+                except TimeoutError:
+                    reason = f"timeout expired after {per_attempt_s:g} s"
+                    failures.append(f"connection to server {where} failed: {reason}")
+                except (OSError, pgwire.ConnectError) as e:
+                    sqlstate = getattr(e, "sqlstate", None)
+                    failures.append(f"connection to server {where} failed: {e or repr(e)}")
         raise pgwire.ConnectError(sqlstate, "; ".join(failures))
 
     @property
@@ -615,6 +627,9 @@ async def _open(params: pgwire.ConnParams, host: str, port: int, *, tls: bool) -
     else:
         await loop.create_connection(lambda: wire, host, port)
     try:
+        session: pgwire.TlsSession | None = None
+        if not host.startswith("/"):
+            _set_keepalives(wire._transport(), params.keepalives)
         if tls:
             answer = await wire.ask_for_tls()
             if answer == b"S":
@@ -624,16 +639,47 @@ async def _open(params: pgwire.ConnParams, host: str, port: int, *, tls: bool) -
                 )
                 assert transport is not None
                 wire.use(transport)
+                session = _session(transport, context)
             elif params.sslmode not in ("prefer", "allow"):
                 raise pgwire.ConnectError(None, "server does not support SSL, but SSL was required")
-        startup = pgwire.Startup(params, host, port)
+        startup = pgwire.Startup(params, host, port, tls=session)
         wire.write(startup.message())
         while not startup.ready:
             kind, body = await wire.next_message()
-            answer = startup.receive(kind, body)
+            answer = await startup.receive(kind, body)
             if answer:
                 wire.write(answer)
         return wire, startup.backend_pid
     except BaseException:
         wire.abort()
         raise
+
+
+def _session(transport: asyncio.Transport, context: ssl.SSLContext) -> pgwire.TlsSession:
+    ssl_object = transport.get_extra_info("ssl_object")
+    certificate = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    return pgwire.TlsSession(
+        verified=context.verify_mode != ssl.CERT_NONE,
+        end_point=pgwire.server_end_point(certificate) if certificate else None,
+    )
+
+
+def _set_keepalives(transport: asyncio.Transport, keepalives: pgwire.Keepalives) -> None:
+    """TCP keepalives as libpq sets them (on by default): a server that vanished
+    without a FIN (a host gone, a NAT that forgot us) is noticed, not waited for."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, int(keepalives.enabled))
+    options = [
+        (getattr(socket, "TCP_KEEPIDLE", None), keepalives.idle_s),
+        (getattr(socket, "TCP_KEEPINTVL", None), keepalives.interval_s),
+        (getattr(socket, "TCP_KEEPCNT", None), keepalives.count),
+    ]
+    if keepalives.enabled:
+        for option, value in options:
+            if option is not None and value is not None and value > 0:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+    user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if user_timeout is not None and keepalives.user_timeout_ms is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, user_timeout, max(keepalives.user_timeout_ms, 0))

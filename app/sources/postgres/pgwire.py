@@ -5,7 +5,8 @@ connection string and the environment ask for (:func:`parse_conninfo`), the TLS
 context (:func:`ssl_context`), and the startup conversation as a state machine
 (:class:`Startup`: each server message in, the bytes to answer out).
 
-Supported, as libpq does it:
+The options and what each does are in docs/postgres-connection.md. In short, as
+libpq does it, and where this client is stricter, why:
 
 * conninfo as a URL or ``key=value`` (``psycopg.conninfo.conninfo_to_dict``); what it
   leaves out comes from libpq's own defaults table (``PQconndefaults``: ``PGHOST``,
@@ -13,30 +14,41 @@ Supported, as libpq does it:
   user), ``PGSSLMODE``, ``PGAPPNAME``, ``PGOPTIONS``, ``PGCONNECT_TIMEOUT``, ...);
   the password file (``passfile`` / ``PGPASSFILE`` / ``~/.pgpass``, ignored when
   group- or world-readable);
-* several hosts (``host=a,b port=1,2``), tried in order; a host starting with ``/``
-  is a Unix socket directory, no host the default one;
+* several hosts (``host=a,b port=1,2``), tried in order, each with its own
+  ``connect_timeout``; a host starting with ``/`` is a Unix socket directory;
 * ``sslmode`` disable / allow / prefer / require / verify-ca / verify-full with
-  ``sslrootcert`` (``system``: the default CA store), ``sslcert``, ``sslkey``
-  (defaults under ``~/.postgresql/``), ``ssl_min_protocol_version`` and
-  ``ssl_max_protocol_version``; as in libpq, a root certificate that exists makes
-  even ``require`` verify the server's chain; no TLS on Unix sockets;
-* authentication: trust, cleartext password, MD5, SCRAM-SHA-256 (without channel
-  binding: ``channel_binding=require`` is refused).
+  ``sslrootcert`` (``system``: the default CA store, which makes ``verify-full`` the
+  default and refuses weaker modes), ``sslcert``, ``sslkey`` (refused when others
+  may read it), ``ssl_min_protocol_version`` and ``ssl_max_protocol_version``; a
+  root certificate that exists makes even ``require`` verify the server's chain;
+* authentication: trust, cleartext password, MD5, SCRAM-SHA-256 and, over TLS,
+  SCRAM-SHA-256-PLUS (``channel_binding`` disable / prefer / require, with
+  ``tls-server-end-point``); ``require_auth`` (a list of methods, or of ``!``
+  methods to refuse). Stricter than libpq: a cleartext or MD5 password is only
+  sent over a Unix socket, to a loopback address or over TLS whose server was
+  verified, unless ``require_auth`` names the method; a SCRAM exchange of more
+  than :data:`MAX_SCRAM_ITERATIONS` iterations is refused, and the key is
+  derived in a worker thread, never on the event loop;
+* TCP keepalives (``keepalives``, ``keepalives_idle``, ``keepalives_interval``,
+  ``keepalives_count``) and ``tcp_user_timeout``, set on the socket.
 
 Refused with a clear :class:`ConnectError`: every other option with a value
-(``service``, ``hostaddr``, ``require_auth``, ``sslcrl``, ``sslpassword``,
-``target_session_attrs`` other than ``any``, ``gssencmode=require``, a client
-encoding other than UTF-8, ...), and Kerberos, GSSAPI, SSPI or SCM authentication.
-Options that only tune what we do not do (TCP keepalives, ``sslsni``,
-``krbsrvname``...) are accepted and ignored.
+(``service``, ``hostaddr``, ``sslcrl``, ``sslpassword``, ``target_session_attrs``
+other than ``any``, ``gssencmode=require``, a client encoding other than UTF-8,
+...), and Kerberos, GSSAPI, SSPI or SCM authentication. A server message that does
+not parse is a :class:`ConnectError` too, so the next host is tried. Options that
+only tune what we do not do (``sslsni``, ``krbsrvname``...) are accepted and
+ignored.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import getpass
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -79,6 +91,13 @@ TERMINATE: Final = b"X\x00\x00\x00\x04"
 DEFAULT_PORT: Final = 5432
 SSLMODES: Final = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 
+# A server may ask for this many PBKDF2 iterations at most (Postgres' default is
+# 4,096): each costs the client ~0.25 µs here, and a hostile server must not make a
+# connection attempt cost minutes of CPU (INT_MAX would).
+MAX_SCRAM_ITERATIONS: Final = 1_000_000
+AUTH_METHODS: Final = ("password", "md5", "scram-sha-256", "gss", "sspi", "none")
+CHANNEL_BINDINGS: Final = ("disable", "prefer", "require")
+
 # Options this module implements.
 _USED: Final = frozenset(
     {
@@ -98,16 +117,18 @@ _USED: Final = frozenset(
         "sslkey",
         "ssl_min_protocol_version",
         "ssl_max_protocol_version",
-    }
-)
-# Options that tune only what we do not do: accepted, and without effect.
-_IGNORED: Final = frozenset(
-    {
+        "require_auth",
+        "channel_binding",
         "keepalives",
         "keepalives_idle",
         "keepalives_interval",
         "keepalives_count",
         "tcp_user_timeout",
+    }
+)
+# Options that tune only what we do not do: accepted, and without effect.
+_IGNORED: Final = frozenset(
+    {
         "sslcompression",
         "sslsni",
         "krbsrvname",
@@ -119,7 +140,6 @@ _IGNORED: Final = frozenset(
 _ACCEPTED: Final[Mapping[str, frozenset[str]]] = {
     "replication": frozenset({"database"}),
     "client_encoding": frozenset({"utf8", "utf-8", "unicode"}),
-    "channel_binding": frozenset({"disable", "prefer"}),
     "gssencmode": frozenset({"disable", "prefer"}),
     "target_session_attrs": frozenset({"any"}),
     "load_balance_hosts": frozenset({"disable"}),
@@ -152,6 +172,35 @@ class ConnectError(ChangeSourceError):
 
 
 @dataclass(frozen=True, slots=True)
+class AuthPolicy:
+    """``require_auth``: the methods the server may use (``none``: no authentication)."""
+
+    spec: str | None  # as given, for messages (None: not given, everything allowed)
+    allowed: frozenset[str]
+    named: frozenset[str]  # listed without ``!``: the operator asked for exactly these
+
+    def check(self, method: str, requested: str) -> None:
+        if method not in self.allowed:
+            raise ConnectError(
+                None,
+                f'authentication method requirement "{self.spec}" failed: '
+                f"server requested {requested}",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Keepalives:
+    """TCP keepalives as libpq sets them: on unless ``keepalives=0``; the rest is the
+    system's default unless given (seconds, a count, and milliseconds)."""
+
+    enabled: bool = True
+    idle_s: int | None = None
+    interval_s: int | None = None
+    count: int | None = None
+    user_timeout_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ConnParams:
     """A connection string with libpq's defaults applied."""
 
@@ -169,6 +218,9 @@ class ConnParams:
     ssl_min_version: ssl.TLSVersion
     ssl_max_version: ssl.TLSVersion | None
     connect_timeout_s: float | None
+    auth: AuthPolicy = AuthPolicy(None, frozenset(AUTH_METHODS), frozenset())
+    channel_binding: str = "prefer"
+    keepalives: Keepalives = Keepalives()
 
 
 def default_socket_dir() -> str:
@@ -183,7 +235,8 @@ def parse_conninfo(conninfo: str) -> ConnParams:
     values = {
         o.keyword.decode(): o.val.decode() for o in pq.Conninfo.get_defaults() if o.val is not None
     }
-    values.update({k: str(v) for k, v in given.items() if v is not None and str(v) != ""})
+    given_values = {k: str(v) for k, v in given.items() if v is not None and str(v) != ""}
+    values.update(given_values)
     for key, value in values.items():
         if key in _USED or key in _IGNORED or value.lower() in _ACCEPTED.get(key, ()):
             continue
@@ -204,19 +257,20 @@ def parse_conninfo(conninfo: str) -> ConnParams:
     except ValueError as e:
         raise ConnectError(None, f"invalid port number in {values.get('port')!r}") from e
 
-    sslmode = values.get("sslmode", "prefer")
-    if sslmode not in SSLMODES:
-        raise ConnectError(None, f"invalid sslmode value: {sslmode!r}")
-    try:
-        timeout = int(values.get("connect_timeout") or 0)
-    except ValueError as e:
-        raise ConnectError(None, f"invalid connect_timeout {values['connect_timeout']!r}") from e
+    home = os.path.expanduser("~")
+    sslrootcert = values.get("sslrootcert") or os.path.join(home, ".postgresql", "root.crt")
+    sslmode = _sslmode(values, sslrootcert, explicit="sslmode" in given_values)
+    channel_binding = values.get("channel_binding", "prefer")
+    if channel_binding not in CHANNEL_BINDINGS:
+        raise ConnectError(None, f'invalid channel_binding value: "{channel_binding}"')
+    if channel_binding == "require" and sslmode == "disable":
+        raise ConnectError(None, 'channel_binding=require needs TLS, but sslmode is "disable"')
+    timeout = _integer(values, "connect_timeout") or 0
     tls_min = values.get("ssl_min_protocol_version", "TLSv1.2")
     tls_max = values.get("ssl_max_protocol_version")
     for version in (tls_min, tls_max):
         if version is not None and version.lower() not in _TLS_VERSIONS:
             raise ConnectError(None, f"invalid SSL protocol version {version!r}")
-    home = os.path.expanduser("~")
     user = values.get("user") or getpass.getuser()
     return ConnParams(
         hosts=targets,
@@ -227,14 +281,79 @@ def parse_conninfo(conninfo: str) -> ConnParams:
         application_name=values.get("application_name") or values.get("fallback_application_name"),
         options=values.get("options") or None,
         sslmode=sslmode,
-        sslrootcert=values.get("sslrootcert") or os.path.join(home, ".postgresql", "root.crt"),
+        sslrootcert=sslrootcert,
         sslcert=values.get("sslcert") or os.path.join(home, ".postgresql", "postgresql.crt"),
         sslkey=values.get("sslkey") or os.path.join(home, ".postgresql", "postgresql.key"),
         ssl_min_version=_TLS_VERSIONS[tls_min.lower()],
         ssl_max_version=None if tls_max is None else _TLS_VERSIONS[tls_max.lower()],
         # libpq: 0 or less waits forever, and less than 2 s is 2 s.
         connect_timeout_s=None if timeout <= 0 else float(max(timeout, 2)),
+        auth=_require_auth(values.get("require_auth")),
+        channel_binding=channel_binding,
+        keepalives=Keepalives(
+            enabled=_integer(values, "keepalives") != 0,
+            idle_s=_integer(values, "keepalives_idle"),
+            interval_s=_integer(values, "keepalives_interval"),
+            count=_integer(values, "keepalives_count"),
+            user_timeout_ms=_integer(values, "tcp_user_timeout"),
+        ),
     )
+
+
+def _sslmode(values: Mapping[str, str], sslrootcert: str, *, explicit: bool) -> str:
+    """``sslmode``; with ``sslrootcert=system``, as libpq: verify-full unless set, and
+    nothing weaker (the system's CAs sign certificates for anyone's host name)."""
+    explicit = explicit or bool(os.environ.get("PGSSLMODE"))
+    sslmode = values.get("sslmode", "prefer")
+    if sslmode not in SSLMODES:
+        raise ConnectError(None, f"invalid sslmode value: {sslmode!r}")
+    if sslrootcert == "system":
+        if not explicit:
+            return "verify-full"
+        if sslmode != "verify-full":
+            raise ConnectError(
+                None,
+                f'weak sslmode "{sslmode}" may not be used with sslrootcert=system '
+                '(use "verify-full")',
+            )
+    return sslmode
+
+
+def _integer(values: Mapping[str, str], key: str) -> int | None:
+    text = values.get(key)
+    if text is None:
+        return None
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ConnectError(
+            None, f'invalid integer value "{text}" for connection option "{key}"'
+        ) from None
+
+
+def _require_auth(spec: str | None) -> AuthPolicy:
+    """libpq's ``require_auth``: ``md5,scram-sha-256`` allows those; ``!password,!md5``
+    allows all but those; one or the other, each method once."""
+    if not spec:
+        return AuthPolicy(None, frozenset(AUTH_METHODS), frozenset())
+    negated = spec.startswith("!")
+    seen: set[str] = set()
+    for item in spec.split(","):
+        name = item[1:] if item.startswith("!") else item
+        if item.startswith("!") != negated:
+            kind = "negative" if item.startswith("!") else "non-negative"
+            other = "non-negative" if item.startswith("!") else "negative"
+            raise ConnectError(
+                None, f'{kind} require_auth method "{item}" cannot be mixed with {other} methods'
+            )
+        if name not in AUTH_METHODS:
+            raise ConnectError(None, f'invalid require_auth value: "{name}"')
+        if name in seen:
+            raise ConnectError(None, f'require_auth method "{name}" is specified more than once')
+        seen.add(name)
+    if negated:
+        return AuthPolicy(spec, frozenset(AUTH_METHODS) - seen, frozenset())
+    return AuthPolicy(spec, frozenset(seen), frozenset(seen))
 
 
 def password_from_file(passfile: str, host: str, port: int, dbname: str, user: str) -> str | None:
@@ -309,10 +428,81 @@ def ssl_context(params: ConnParams) -> ssl.SSLContext:
         if ctx.verify_mode != ssl.CERT_NONE:
             ctx.check_hostname = params.sslmode == "verify-full"
         if os.path.exists(params.sslcert):
+            _check_key_file(params.sslkey)
             ctx.load_cert_chain(params.sslcert, params.sslkey)
     except (OSError, ssl.SSLError) as e:
         raise ConnectError(None, f"could not set up TLS: {e}") from e
     return ctx
+
+
+def _check_key_file(path: str) -> None:
+    """libpq's rule for the client's private key: a plain file that only its owner
+    may read (0600), or root and its group (0640, for a key shared with a service
+    account)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise ConnectError(
+            None, f'certificate present, but not private key file "{path}"'
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConnectError(None, f'private key file "{path}" is not a regular file')
+    mode = st.st_mode
+    if (st.st_uid == os.geteuid() and mode & 0o077) or (st.st_uid == 0 and mode & 0o037):
+        raise ConnectError(
+            None,
+            f'private key file "{path}" has group or world access; file must have '
+            "permissions u=rw (0600) or less if owned by the current user, or permissions "
+            "u=rw,g=r (0640) or less if owned by root",
+        )
+
+
+# The hash of a certificate's signature algorithm (DER-encoded OIDs), for
+# tls-server-end-point (RFC 5929 §4.1: MD5 and SHA-1 mean SHA-256).
+_SIGNATURE_HASHES: Final[Mapping[bytes, str]] = {
+    bytes.fromhex("2a864886f70d010104"): "sha256",  # md5WithRSAEncryption
+    bytes.fromhex("2a864886f70d010105"): "sha256",  # sha1WithRSAEncryption
+    bytes.fromhex("2a864886f70d01010b"): "sha256",
+    bytes.fromhex("2a864886f70d01010c"): "sha384",
+    bytes.fromhex("2a864886f70d01010d"): "sha512",
+    bytes.fromhex("2a864886f70d01010e"): "sha224",
+    bytes.fromhex("2a8648ce3d0401"): "sha256",  # ecdsa-with-SHA1
+    bytes.fromhex("2a8648ce3d040301"): "sha224",
+    bytes.fromhex("2a8648ce3d040302"): "sha256",
+    bytes.fromhex("2a8648ce3d040303"): "sha384",
+    bytes.fromhex("2a8648ce3d040304"): "sha512",
+}
+
+
+def server_end_point(certificate: bytes) -> bytes | None:
+    """The ``tls-server-end-point`` channel binding data of the server's certificate
+    (DER): its hash by the hash of its signature algorithm. None when that algorithm
+    has no such hash (Ed25519, RSASSA-PSS) or the certificate does not parse; the
+    server then cannot compute it either."""
+    try:
+        body, _ = _der(certificate, 0, 0x30)  # Certificate ::= SEQUENCE {
+        _, pos = _der(certificate, body, 0x30)  # tbsCertificate, skipped
+        algorithm, _ = _der(certificate, pos, 0x30)  # signatureAlgorithm {
+        start, end = _der(certificate, algorithm, 0x06)  # algorithm OID
+    except (IndexError, ValueError):
+        return None
+    name = _SIGNATURE_HASHES.get(certificate[start:end])
+    return None if name is None else hashlib.new(name, certificate).digest()
+
+
+def _der(data: bytes, pos: int, tag: int) -> tuple[int, int]:
+    """The DER element with ``tag`` at ``pos``: where its content starts and ends."""
+    if data[pos] != tag:
+        raise ValueError(f"expected DER tag {tag:#x} at {pos}")
+    length = data[pos + 1]
+    pos += 2
+    if length & 0x80:
+        n = length & 0x7F
+        length = int.from_bytes(data[pos : pos + n], "big")
+        pos += n
+    if pos + length > len(data):
+        raise ValueError("DER element runs past the end")
+    return pos, pos + length
 
 
 # -- messages ---------------------------------------------------------------
@@ -353,25 +543,56 @@ def md5_password(user: str, password: str, salt: bytes) -> bytes:
 
 
 class ScramSha256:
-    """The client side of SCRAM-SHA-256 without channel binding (gs2 header ``n,,``).
+    """The client side of SCRAM-SHA-256, and of SCRAM-SHA-256-PLUS when given the
+    TLS channel's ``tls-server-end-point`` data (``binding``).
 
+    The GS2 header says what the client did: ``p=tls-server-end-point`` (bound),
+    ``y`` (it could bind but the server did not offer to: a server that can sees a
+    man in the middle who took SCRAM-SHA-256-PLUS off its list) or ``n`` (no TLS).
     Postgres takes the user from the startup message and ignores SCRAM's, so it is
     empty unless given (RFC 7677's example names one)."""
 
     MECHANISM: Final = "SCRAM-SHA-256"
+    MECHANISM_PLUS: Final = "SCRAM-SHA-256-PLUS"
 
-    def __init__(self, password: str, *, user: str = "", nonce: str | None = None) -> None:
+    def __init__(
+        self,
+        password: str,
+        *,
+        user: str = "",
+        nonce: str | None = None,
+        binding: bytes | None = None,
+        could_bind: bool = False,
+    ) -> None:
         self._password = _saslprep(password).encode()
         self._nonce = nonce or base64.b64encode(secrets.token_bytes(18)).decode()
         name = user.replace("=", "=3D").replace(",", "=2C")
         self._first_bare = f"n={name},r={self._nonce}"
+        self._binding = binding
+        self._gs2 = "p=tls-server-end-point,," if binding else "y,," if could_bind else "n,,"
         self._server_signature: bytes | None = None
         self._verified = False
 
-    def client_first(self) -> bytes:
-        return ("n,," + self._first_bare).encode()
+    @property
+    def mechanism(self) -> str:
+        return self.MECHANISM_PLUS if self._binding else self.MECHANISM
 
-    def client_final(self, server_first: bytes) -> bytes:
+    @property
+    def bound(self) -> bool:
+        """Whether this exchange binds the TLS channel (SCRAM-SHA-256-PLUS)."""
+        return self._binding is not None
+
+    @property
+    def started_final(self) -> bool:
+        return self._server_signature is not None
+
+    def client_first(self) -> bytes:
+        return (self._gs2 + self._first_bare).encode()
+
+    async def client_final(self, server_first: bytes) -> bytes:
+        """The answer to server-first-message. The key derivation (PBKDF2, as many
+        rounds as the server asks, up to :data:`MAX_SCRAM_ITERATIONS`) runs in a
+        worker thread: the event loop serves the subscribers meanwhile."""
         text = server_first.decode()
         attrs = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
         nonce, salt, iterations = attrs.get("r", ""), attrs.get("s"), int(attrs.get("i", "0"))
@@ -379,9 +600,22 @@ class ScramSha256:
             raise ConnectError(None, "SCRAM: the server's nonce does not extend ours")
         if salt is None or iterations <= 0:
             raise ConnectError(None, f"SCRAM: malformed server-first-message {text!r}")
-        salted = hashlib.pbkdf2_hmac("sha256", self._password, base64.b64decode(salt), iterations)
+        if iterations > MAX_SCRAM_ITERATIONS:
+            raise ConnectError(
+                None,
+                f"SCRAM: the server asks for {iterations:,} iterations, more than the "
+                f"{MAX_SCRAM_ITERATIONS:,} this client computes",
+            )
+        salted = await asyncio.to_thread(
+            hashlib.pbkdf2_hmac,
+            "sha256",
+            self._password,
+            base64.b64decode(salt, validate=True),
+            iterations,
+        )
         client_key = _hmac(salted, b"Client Key")
-        without_proof = f"c=biws,r={nonce}"
+        channel = base64.b64encode(self._gs2.encode() + (self._binding or b"")).decode()
+        without_proof = f"c={channel},r={nonce}"
         auth_message = f"{self._first_bare},{text},{without_proof}".encode()
         signature = _hmac(hashlib.sha256(client_key).digest(), auth_message)
         proof = bytes(a ^ b for a, b in zip(client_key, signature, strict=True))
@@ -443,17 +677,48 @@ def _saslprep(password: str) -> str:
 # -- the startup conversation ------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class TlsSession:
+    """What the TLS handshake established: whether the server's certificate chain was
+    verified, and its ``tls-server-end-point`` data for channel binding."""
+
+    verified: bool
+    end_point: bytes | None
+
+
+def is_local(host: str) -> bool:
+    """A Unix socket directory or a loopback address: no network between us and it."""
+    if host.startswith("/") or host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# What the messages name the server's requests (libpq's wording).
+_CLEARTEXT: Final = "a cleartext password"
+_MD5: Final = "a hashed password"
+_SASL: Final = "SASL authentication"
+
+
 class Startup:
     """StartupMessage, authentication, parameters, the backend's key, ReadyForQuery.
 
     ``receive`` takes each server message and returns what to answer (b"" for
-    nothing); ``ready`` turns true at ReadyForQuery. Server errors and methods we do
-    not implement raise :class:`ConnectError`."""
+    nothing); ``ready`` turns true at ReadyForQuery. Server errors, methods we do not
+    implement or may not use, and messages that do not parse raise
+    :class:`ConnectError`. ``tls`` is the session when the connection is TLS."""
 
-    def __init__(self, params: ConnParams, host: str, port: int) -> None:
+    def __init__(
+        self, params: ConnParams, host: str, port: int, *, tls: TlsSession | None = None
+    ) -> None:
         self._params = params
         self._host, self._port = host, port
+        self._tls = tls
         self._scram: ScramSha256 | None = None
+        self._method: str | None = None  # the method the server used, once it asked
+        self._ok = False  # AuthenticationOk came
         self.ready = False
         self.backend_pid = 0
         self.parameters: dict[str, str] = {}
@@ -474,15 +739,25 @@ class Startup:
         body += b"".join(_cstring(k) + _cstring(v) for k, v in pairs.items()) + b"\x00"
         return struct.pack("!I", len(body) + 4) + body
 
-    def receive(self, kind: int, body: bytes) -> bytes:
+    async def receive(self, kind: int, body: bytes) -> bytes:
+        try:
+            return await self._receive(kind, body)
+        except (ValueError, struct.error) as e:  # also UnicodeDecodeError, binascii.Error
+            raise ConnectError(
+                None, f"malformed {chr(kind)!r} message from the server during startup"
+            ) from e
+
+    async def _receive(self, kind: int, body: bytes) -> bytes:
         if kind == ord("R"):
-            return self._authenticate(body)
+            return await self._authenticate(body)
         if kind == ord("S"):
             name, value, _ = body.split(b"\x00", 2)
             self.parameters[name.decode()] = value.decode(errors="replace")
         elif kind == ord("K"):
             (self.backend_pid,) = struct.unpack_from("!I", body)
         elif kind == ord("Z"):
+            if not self._ok:
+                raise ConnectError(None, "the server sent ReadyForQuery before authentication")
             self.ready = True
         elif kind == ord("E"):
             fields = error_fields(body)
@@ -493,42 +768,125 @@ class Startup:
             raise ConnectError(None, f"unexpected message {chr(kind)!r} during startup")
         return b""
 
-    def _authenticate(self, body: bytes) -> bytes:
+    async def _authenticate(self, body: bytes) -> bytes:
         (code,) = struct.unpack_from("!I", body)
         data = body[4:]
+        if self._ok:
+            raise ConnectError(
+                None, f"the server sent authentication request {code} after it ended"
+            )
         if code == 0:
-            if self._scram is not None and not self._scram.verified:
-                raise ConnectError(
-                    None, "the server ended SCRAM before proving it knows the password"
-                )
+            self._authenticated()
             return b""
         if code == 3:
-            return message(b"p", _cstring(self._password("a cleartext password")))
+            password = self._password_over_this_connection("password", _CLEARTEXT)
+            return message(b"p", _cstring(password))
         if code == 5:
-            password = self._password("an MD5 password")
-            return message(b"p", md5_password(self._params.user, password, data[:4]) + b"\x00")
+            if len(data) != 4:
+                raise ValueError("the MD5 salt is not 4 bytes")
+            password = self._password_over_this_connection("md5", _MD5)
+            return message(b"p", md5_password(self._params.user, password, data) + b"\x00")
         if code == 10:
-            mechanisms = [m.decode() for m in data.split(b"\x00") if m]
-            if ScramSha256.MECHANISM not in mechanisms:
-                raise ConnectError(
-                    None,
-                    f"none of the server's SASL mechanisms {mechanisms} is supported "
-                    f"(only {ScramSha256.MECHANISM})",
-                )
-            self._scram = ScramSha256(self._password("SCRAM-SHA-256"))
-            first = self._scram.client_first()
-            return message(
-                b"p", _cstring(ScramSha256.MECHANISM) + struct.pack("!i", len(first)) + first
-            )
-        if code == 11 and self._scram is not None:
-            return message(b"p", self._scram.client_final(data))
-        if code == 12 and self._scram is not None:
-            self._scram.verify_server_final(data)
+            return self._start_scram([m.decode() for m in data.split(b"\x00") if m])
+        scram = self._scram
+        if code == 11 and scram is not None and not scram.started_final:
+            return message(b"p", await scram.client_final(data))
+        if code == 12 and scram is not None and scram.started_final and not scram.verified:
+            scram.verify_server_final(data)
             return b""
+        if code in (11, 12):
+            raise ConnectError(None, f"the server sent SASL step {code} out of order")
         name = _AUTH_NAMES.get(code, f"request {code}")
         raise ConnectError(
             None, f"authentication method {name} is not supported by the replication connection"
         )
+
+    def _authenticated(self) -> None:
+        """AuthenticationOk: refused unless what happened is what we allow."""
+        p = self._params
+        if self._scram is not None and not self._scram.verified:
+            raise ConnectError(None, "the server ended SCRAM before proving it knows the password")
+        if p.channel_binding == "require" and not (self._scram is not None and self._scram.bound):
+            raise ConnectError(
+                None,
+                "channel binding required, but server authenticated client without channel binding",
+            )
+        if self._method is None:  # trust: no password asked for
+            if "none" not in p.auth.allowed:
+                raise ConnectError(
+                    None,
+                    f'authentication method requirement "{p.auth.spec}" failed: '
+                    "server did not complete authentication",
+                )
+            self._method = "none"
+        self._ok = True
+
+    def _password_over_this_connection(self, method: str, requested: str) -> str:
+        """The password for a cleartext or MD5 request, if this connection may carry it."""
+        p = self._params
+        if self._method is not None:
+            raise ConnectError(
+                None, f"the server asked for {requested} after {self._method} authentication began"
+            )
+        p.auth.check(method, requested)
+        if p.channel_binding == "require":
+            raise ConnectError(
+                None, f"channel binding required, but the server asked for {requested}"
+            )
+        verified = self._tls is not None and self._tls.verified
+        if not (verified or is_local(self._host) or method in p.auth.named):
+            over = "TLS without a verified server" if self._tls is not None else "no TLS"
+            raise ConnectError(
+                None,
+                f"the server asks for {requested} over a connection whose server is not "
+                f"verified ({over}): whoever answers in its place would get the password; "
+                f"use sslmode=verify-full, or allow it with require_auth={method}",
+            )
+        self._method = method
+        return self._password(requested)
+
+    def _start_scram(self, mechanisms: list[str]) -> bytes:
+        p = self._params
+        if self._method is not None:
+            raise ConnectError(
+                None, f"the server asked for {_SASL} after {self._method} authentication began"
+            )
+        p.auth.check("scram-sha-256", _SASL)
+        end_point = self._tls.end_point if self._tls is not None else None
+        if p.channel_binding == "disable":
+            end_point = None
+        plus = ScramSha256.MECHANISM_PLUS in mechanisms
+        if p.channel_binding == "require":
+            if self._tls is None:
+                raise ConnectError(None, "channel binding required, but SSL not in use")
+            if not plus:
+                raise ConnectError(
+                    None,
+                    "channel binding is required, but server did not offer an authentication "
+                    "method that supports channel binding",
+                )
+            if end_point is None:
+                raise ConnectError(
+                    None,
+                    "channel binding is required, but the server certificate's signature "
+                    "algorithm has no hash for tls-server-end-point",
+                )
+        if plus and end_point is not None:
+            self._scram = ScramSha256(self._password(_SASL), binding=end_point)
+        elif ScramSha256.MECHANISM in mechanisms:
+            self._scram = ScramSha256(
+                self._password(_SASL), could_bind=end_point is not None and not plus
+            )
+        else:
+            raise ConnectError(
+                None,
+                f"none of the server's SASL mechanisms {mechanisms} is supported "
+                f"(only {ScramSha256.MECHANISM} and, over TLS, {ScramSha256.MECHANISM_PLUS})",
+            )
+        self._method = "scram-sha-256"
+        first = self._scram.client_first()
+        mechanism = self._scram.mechanism
+        return message(b"p", _cstring(mechanism) + struct.pack("!i", len(first)) + first)
 
     def _password(self, method: str) -> str:
         p = self._params

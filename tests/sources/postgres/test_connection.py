@@ -527,6 +527,161 @@ async def test_a_connect_that_takes_too_long_gives_up(db_url: str) -> None:
         listener.close()
 
 
+# -- connecting to a server that misbehaves (a fake one on loopback) -------------
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def fake_server(script: Script) -> AsyncIterator[tuple[int, list[bytes]]]:
+    """A TCP server on loopback that answers SSLRequest with N, reads the startup
+    message, then runs ``script``; yields its port and every message the client
+    sent after startup (type byte and body)."""
+    received: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            length, code = struct.unpack("!II", await reader.readexactly(8))
+            if code == 80877103:  # SSLRequest
+                writer.write(b"N")
+                length, code = struct.unpack("!II", await reader.readexactly(8))
+            await reader.readexactly(length - 8)
+            received.append(b"startup")
+
+            async def record() -> None:
+                while True:
+                    kind, n = struct.unpack("!cI", await reader.readexactly(5))
+                    received.append(kind + await reader.readexactly(n - 4))
+
+            recorder = asyncio.ensure_future(record())
+            try:
+                await script(reader, writer)
+                await writer.drain()
+                await asyncio.wait([recorder], timeout=10)
+            finally:
+                recorder.cancel()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], received
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+AUTH_OK = backend_message(b"R", struct.pack("!I", 0))
+READY = AUTH_OK + backend_message(b"K", struct.pack("!II", 77, 1)) + backend_message(b"Z", b"I")
+
+
+async def test_a_malformed_startup_message_fails_that_host_and_the_next_is_tried(
+    db_url: str,
+) -> None:
+    async def garbage(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(backend_message(b"R", b"\x00"))  # an authentication request with no code
+
+    async with fake_server(garbage) as (port, _):
+        with pytest.raises(ConnectError, match="malformed 'R' message from the server"):
+            await ReplicationConnection.connect(f"host=127.0.0.1 port={port} user=x")
+        params = conninfo_to_dict(db_url)
+        conninfo = make_conninfo(
+            db_url, host=f"127.0.0.1,{params['host']}", port=f"{port},{params['port']}"
+        )
+        conn = await ReplicationConnection.connect(conninfo)
+        await conn.close()
+
+
+async def test_each_host_has_its_own_connect_timeout(db_url: str) -> None:
+    async def silent(r: asyncio.StreamReader, _w: asyncio.StreamWriter) -> None:
+        await r.read()  # says nothing, until the client leaves
+
+    async with fake_server(silent) as (port, _):
+        params = conninfo_to_dict(db_url)
+        conninfo = make_conninfo(
+            db_url, host=f"127.0.0.1,{params['host']}", port=f"{port},{params['port']}"
+        )
+        # The first host takes the whole wait; the second still gets one of its own.
+        conn = await ReplicationConnection.connect(conninfo, timeout_s=0.5)
+        await conn.close()
+
+
+async def test_an_oversized_control_message_is_refused_before_its_body_arrives() -> None:
+    async def huge(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        # A ParameterStatus "of 100 MB": only its header is ever sent.
+        w.write(b"S" + struct.pack("!I", 100 << 20))
+
+    async with fake_server(huge) as (port, _):
+        with pytest.raises(ConnectError, match=r"invalid message length 104857600 \(type 0x53\)"):
+            await ReplicationConnection.connect(f"host=127.0.0.1 port={port} user=x", timeout_s=5)
+
+
+def test_only_copy_data_may_be_long() -> None:
+    body = b"x" * 40_000
+    assert fed([backend_message(b"d", body)]) == [(ord("d"), body, len(body))]
+    assert fed([backend_message(b"E", b"M" + body + b"\x00\x00")])[0][2] == len(body) + 3
+    for kind in (b"S", b"R", b"K", b"Z", b"W"):
+        with pytest.raises(ProtocolViolation, match="invalid message length"):
+            fed([backend_message(kind, body)])
+    with pytest.raises(ProtocolViolation, match="invalid message length"):
+        fed([backend_message(b"N", b"x" * (2 << 20))])
+
+
+async def test_sslrootcert_system_never_falls_back_to_plaintext() -> None:
+    """A server (or whoever answers in its place) that says "no TLS" gets nothing."""
+
+    async def ask_in_the_clear(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(backend_message(b"R", struct.pack("!I", 3)))
+
+    async with fake_server(ask_in_the_clear) as (port, received):
+        with pytest.raises(ConnectError, match="server does not support SSL, but SSL was required"):
+            await ReplicationConnection.connect(
+                f"host=127.0.0.1 port={port} user=x password=secret sslrootcert=system"
+            )
+        assert received == []  # not even the startup message
+
+
+async def test_tcp_keepalives_are_set_on_the_socket() -> None:
+    async def ready(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(READY)
+
+    async with fake_server(ready) as (port, _):
+        conn = await ReplicationConnection.connect(
+            f"host=127.0.0.1 port={port} user=x keepalives_idle=7 keepalives_interval=3 "
+            "keepalives_count=4 tcp_user_timeout=9000"
+        )
+        try:
+            sock = conn._wire._transport().get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 7
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 3
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 4
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 9000
+            assert conn.backend_pid == 77
+        finally:
+            await conn.close()
+        conn = await ReplicationConnection.connect(f"host=127.0.0.1 port={port} keepalives=0")
+        try:
+            sock = conn._wire._transport().get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
+        finally:
+            await conn.close()
+
+
+async def test_a_server_that_skips_authentication_is_refused_by_require_auth() -> None:
+    async def trust(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(READY)
+
+    async with fake_server(trust) as (port, received):
+        with pytest.raises(ConnectError, match="server did not complete authentication"):
+            await ReplicationConnection.connect(
+                f"host=127.0.0.1 port={port} user=x password=secret require_auth=scram-sha-256"
+            )
+        assert all(b"secret" not in m for m in received)
+
+
 async def test_a_unix_socket_directory_connects(upstream: Upstream) -> None:
     params = conninfo_to_dict(upstream.url)
     socket_dir = "/var/run/postgresql"

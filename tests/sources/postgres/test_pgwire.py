@@ -52,10 +52,10 @@ def rfc_7677_client() -> ScramSha256:
     return ScramSha256("pencil", user="user", nonce="rOprNGfwEbeRWgbNEkqO")
 
 
-def test_scram_sha_256_gives_rfc_7677s_messages() -> None:
+async def test_scram_sha_256_gives_rfc_7677s_messages() -> None:
     scram = rfc_7677_client()
     assert scram.client_first() == b"n,,n=user,r=rOprNGfwEbeRWgbNEkqO"
-    assert scram.client_final(RFC_7677_SERVER_FIRST) == (
+    assert await scram.client_final(RFC_7677_SERVER_FIRST) == (
         b"c=biws,r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,"
         b"p=dHzbZapWIk4jUhN+Ute9ytag9zjfMHgsqmmiz7AndVQ="
     )
@@ -64,13 +64,13 @@ def test_scram_sha_256_gives_rfc_7677s_messages() -> None:
     assert scram.verified
 
 
-def test_scram_refuses_a_server_that_does_not_know_the_password() -> None:
+async def test_scram_refuses_a_server_that_does_not_know_the_password() -> None:
     scram = rfc_7677_client()
-    scram.client_final(RFC_7677_SERVER_FIRST)
+    await scram.client_final(RFC_7677_SERVER_FIRST)
     with pytest.raises(ConnectError, match="signature is wrong"):
         scram.verify_server_final(b"v=AAAATRBi23WpRR/wtup+mMhUZUn/dB5nLTJRsjl95G4=")
     with pytest.raises(ConnectError, match="nonce does not extend ours"):
-        rfc_7677_client().client_final(b"r=someone-else,s=W22ZaJ0SNY7soEsUEjb6gQ==,i=4096")
+        await rfc_7677_client().client_final(b"r=someone-else,s=W22ZaJ0SNY7soEsUEjb6gQ==,i=4096")
 
 
 def test_md5_answer_is_md5_of_md5_of_password_and_user_then_salt() -> None:
@@ -150,9 +150,7 @@ def test_several_hosts_are_tried_with_their_ports() -> None:
         ("hostaddr=10.0.0.1", "hostaddr$"),
         ("sslpassword=secret", "sslpassword$"),
         ("target_session_attrs=read-write", "target_session_attrs='read-write'"),
-        ("channel_binding=require", "channel_binding='require'"),
         ("client_encoding=LATIN1", "client_encoding='LATIN1'"),
-        ("require_auth=password", "require_auth$"),
     ],
 )
 def test_options_that_would_change_the_connection_are_refused_by_name(
@@ -220,8 +218,10 @@ def auth_request(code: int, data: bytes = b"") -> bytes:
     return struct.pack("!I", code) + data
 
 
-def startup(conninfo: str) -> Startup:
-    return Startup(parse_conninfo(conninfo), "db.example", 5432)
+def startup(
+    conninfo: str, host: str = "127.0.0.1", tls: pgwire.TlsSession | None = None
+) -> Startup:
+    return Startup(parse_conninfo(conninfo), host, 5432, tls=tls)
 
 
 def test_startup_message_asks_for_a_logical_replication_connection() -> None:
@@ -239,37 +239,293 @@ def test_startup_message_asks_for_a_logical_replication_connection() -> None:
     }
 
 
-def test_startup_answers_password_requests_and_reads_what_the_server_tells() -> None:
+async def test_startup_answers_password_requests_and_reads_what_the_server_tells() -> None:
     s = startup("user=alice password=secret")
-    assert s.receive(ord("R"), auth_request(3)) == b"p\x00\x00\x00\x0bsecret\x00"
+    assert await s.receive(ord("R"), auth_request(3)) == b"p\x00\x00\x00\x0bsecret\x00"
     md5 = pgwire.md5_password("alice", "secret", b"salt")
-    assert s.receive(ord("R"), auth_request(5, b"salt")) == b"p\x00\x00\x00\x28" + md5 + b"\x00"
-    assert s.receive(ord("R"), auth_request(0)) == b""
-    s.receive(ord("S"), b"server_version\x0015.2\x00")
-    s.receive(ord("K"), struct.pack("!II", 4242, 7))
+    s = startup("user=alice password=secret")
+    answer = await s.receive(ord("R"), auth_request(5, b"salt"))
+    assert answer == b"p\x00\x00\x00\x28" + md5 + b"\x00"
+    assert await s.receive(ord("R"), auth_request(0)) == b""
+    await s.receive(ord("S"), b"server_version\x0015.2\x00")
+    await s.receive(ord("K"), struct.pack("!II", 4242, 7))
     ready_before = s.ready
-    s.receive(ord("Z"), b"I")
+    await s.receive(ord("Z"), b"I")
     assert (ready_before, s.ready) == (False, True)
     assert (s.backend_pid, s.parameters) == (4242, {"server_version": "15.2"})
 
 
-def test_startup_refuses_what_it_cannot_do_with_a_reason() -> None:
+async def test_startup_refuses_what_it_cannot_do_with_a_reason() -> None:
     with pytest.raises(ConnectError, match=r"none was given \(in the connection string"):
-        startup("user=alice").receive(ord("R"), auth_request(10, b"SCRAM-SHA-256\x00\x00"))
+        await startup("user=alice").receive(ord("R"), auth_request(10, b"SCRAM-SHA-256\x00\x00"))
     with pytest.raises(
         ConnectError, match=r"SASL mechanisms \['SCRAM-SHA-256-PLUS'\] is supported"
     ):
-        startup("password=x").receive(ord("R"), auth_request(10, b"SCRAM-SHA-256-PLUS\x00\x00"))
+        await startup("password=x").receive(
+            ord("R"), auth_request(10, b"SCRAM-SHA-256-PLUS\x00\x00")
+        )
     with pytest.raises(ConnectError, match="authentication method GSSAPI is not supported"):
-        startup("password=x").receive(ord("R"), auth_request(7))
+        await startup("password=x").receive(ord("R"), auth_request(7))
     s = startup("password=x")
-    s.receive(ord("R"), auth_request(10, b"SCRAM-SHA-256-PLUS\x00SCRAM-SHA-256\x00\x00"))
+    await s.receive(ord("R"), auth_request(10, b"SCRAM-SHA-256-PLUS\x00SCRAM-SHA-256\x00\x00"))
     with pytest.raises(ConnectError, match="ended SCRAM before proving it knows the password"):
-        s.receive(ord("R"), auth_request(0))
+        await s.receive(ord("R"), auth_request(0))
     error = b'SFATAL\x00VFATAL\x00C3D000\x00Mdatabase "nope" does not exist\x00\x00'
     with pytest.raises(ConnectError, match=r'^FATAL: database "nope" does not exist$') as info:
-        startup("").receive(ord("E"), error)
+        await startup("").receive(ord("E"), error)
     assert info.value.sqlstate == "3D000"
+
+
+VERIFIED = pgwire.TlsSession(verified=True, end_point=b"\x01" * 32)
+UNVERIFIED = pgwire.TlsSession(verified=False, end_point=b"\x01" * 32)
+
+
+@pytest.mark.parametrize(
+    ("host", "tls", "conninfo", "sent"),
+    [
+        ("db.example", None, "", False),  # plaintext over the network
+        ("db.example", UNVERIFIED, "sslmode=require", False),  # anyone's certificate
+        ("db.example", VERIFIED, "sslmode=verify-full", True),
+        ("db.example", None, "require_auth=password,md5", True),  # the operator's choice
+        ("127.0.0.1", None, "", True),  # no network in between
+        ("::1", None, "", True),
+        ("localhost", None, "", True),
+        ("/var/run/postgresql", None, "", True),
+    ],
+)
+async def test_a_password_goes_in_the_clear_or_as_md5_only_where_no_one_can_take_it(
+    host: str, tls: pgwire.TlsSession | None, conninfo: str, sent: bool
+) -> None:
+    for code, data in ((3, b""), (5, b"salt")):
+        s = startup(f"user=alice password=secret {conninfo}", host, tls)
+        if sent:
+            assert (await s.receive(ord("R"), auth_request(code, data))).startswith(b"p")
+        else:
+            with pytest.raises(
+                ConnectError, match="over a connection whose server is not verified"
+            ) as info:
+                await s.receive(ord("R"), auth_request(code, data))
+            assert "require_auth=" in str(info.value)
+            assert "secret" not in str(info.value)
+
+
+async def test_no_other_method_once_scram_began_and_none_after_the_end() -> None:
+    s = startup("password=x")
+    await s.receive(ord("R"), auth_request(10, b"SCRAM-SHA-256\x00\x00"))
+    with pytest.raises(ConnectError, match="cleartext password after scram-sha-256"):
+        await s.receive(ord("R"), auth_request(3))
+    s = startup("password=x")
+    with pytest.raises(ConnectError, match="SASL step 12 out of order"):
+        await s.receive(ord("R"), auth_request(12, b"v=xxxx"))
+    s = startup("password=x")
+    await s.receive(ord("R"), auth_request(0))  # trust
+    with pytest.raises(ConnectError, match="request 3 after it ended"):
+        await s.receive(ord("R"), auth_request(3))
+    with pytest.raises(ConnectError, match="ReadyForQuery before authentication"):
+        await startup("").receive(ord("Z"), b"I")
+
+
+@pytest.mark.parametrize(
+    ("require_auth", "code", "refusal"),
+    [
+        ("scram-sha-256", 3, '"scram-sha-256" failed: server requested a cleartext password'),
+        ("scram-sha-256", 5, '"scram-sha-256" failed: server requested a hashed password'),
+        ("!password", 3, '"!password" failed: server requested a cleartext password'),
+        ("password", 10, '"password" failed: server requested SASL authentication'),
+        ("!md5,!none", 0, '"!md5,!none" failed: server did not complete authentication'),
+        ("md5", 0, '"md5" failed: server did not complete authentication'),
+        ("none", 3, '"none" failed: server requested a cleartext password'),
+    ],
+)
+async def test_require_auth_refuses_any_other_method(
+    require_auth: str, code: int, refusal: str
+) -> None:
+    s = startup(f"password=x require_auth={require_auth}")
+    data = {10: b"SCRAM-SHA-256\x00\x00", 5: b"salt"}.get(code, b"")
+    with pytest.raises(ConnectError, match=f"^authentication method requirement {refusal}$"):
+        await s.receive(ord("R"), auth_request(code, data))
+
+
+async def test_require_auth_lets_through_the_methods_it_names() -> None:
+    assert await startup("require_auth=none").receive(ord("R"), auth_request(0)) == b""
+    s = startup("password=x require_auth=!password,!md5")
+    assert (await s.receive(ord("R"), auth_request(10, b"SCRAM-SHA-256\x00\x00"))).startswith(b"p")
+
+
+@pytest.mark.parametrize(
+    ("spec", "refusal"),
+    [
+        ("md5,!password", 'negative require_auth method "!password" cannot be mixed'),
+        ("!md5,password", 'non-negative require_auth method "password" cannot be mixed'),
+        ("md5,md5", 'require_auth method "md5" is specified more than once'),
+        ("kerberos", 'invalid require_auth value: "kerberos"'),
+    ],
+)
+def test_a_require_auth_libpq_would_refuse_is_refused(spec: str, refusal: str) -> None:
+    with pytest.raises(ConnectError, match=refusal):
+        parse_conninfo(f"require_auth={spec}")
+
+
+def client_first_of(answer: bytes) -> tuple[str, bytes]:
+    """The mechanism and client-first-message in a SASLInitialResponse."""
+    mechanism, rest = answer[5:].split(b"\x00", 1)
+    return mechanism.decode(), rest[4:]
+
+
+async def test_scram_binds_the_tls_channel_when_the_server_offers_to() -> None:
+    both = auth_request(10, b"SCRAM-SHA-256-PLUS\x00SCRAM-SHA-256\x00\x00")
+    plain = auth_request(10, b"SCRAM-SHA-256\x00\x00")
+    cases = [
+        ("", UNVERIFIED, both, "SCRAM-SHA-256-PLUS", b"p=tls-server-end-point,,"),
+        ("", UNVERIFIED, plain, "SCRAM-SHA-256", b"y,,"),  # we could have: a downgrade shows
+        ("", None, both, "SCRAM-SHA-256", b"n,,"),
+        ("channel_binding=disable", UNVERIFIED, both, "SCRAM-SHA-256", b"n,,"),
+        ("channel_binding=require", UNVERIFIED, both, "SCRAM-SHA-256-PLUS", b"p=tls"),
+    ]
+    for conninfo, tls, request, mechanism, gs2 in cases:
+        answer = await startup(f"password=x {conninfo}", tls=tls).receive(ord("R"), request)
+        got_mechanism, first = client_first_of(answer)
+        assert (got_mechanism, first[: len(gs2)]) == (mechanism, gs2), conninfo
+
+
+@pytest.mark.parametrize(
+    ("tls", "offered", "refusal"),
+    [
+        (None, b"SCRAM-SHA-256-PLUS\x00SCRAM-SHA-256\x00", "SSL not in use"),
+        (UNVERIFIED, b"SCRAM-SHA-256\x00", "server did not offer an authentication method"),
+        (
+            pgwire.TlsSession(verified=False, end_point=None),
+            b"SCRAM-SHA-256-PLUS\x00",
+            "signature algorithm has no hash",
+        ),
+    ],
+)
+async def test_channel_binding_require_refuses_scram_without_it(
+    tls: pgwire.TlsSession | None, offered: bytes, refusal: str
+) -> None:
+    s = startup("password=x channel_binding=require", tls=tls)
+    with pytest.raises(ConnectError, match=refusal):
+        await s.receive(ord("R"), auth_request(10, offered + b"\x00"))
+
+
+async def test_channel_binding_require_refuses_every_method_but_scram() -> None:
+    for code in (3, 5):
+        s = startup("password=x channel_binding=require", tls=VERIFIED)
+        with pytest.raises(ConnectError, match="channel binding required, but the server asked"):
+            await s.receive(ord("R"), auth_request(code, b"salt"))
+    with pytest.raises(ConnectError, match="authenticated client without channel binding"):
+        await startup("channel_binding=require", tls=VERIFIED).receive(ord("R"), auth_request(0))
+    with pytest.raises(ConnectError, match='needs TLS, but sslmode is "disable"'):
+        parse_conninfo("channel_binding=require sslmode=disable")
+
+
+async def test_scram_refuses_more_iterations_than_its_cap_and_derives_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import hashlib
+    import threading
+
+    with pytest.raises(
+        ConnectError, match="asks for 1,000,001 iterations, more than the 1,000,000"
+    ):
+        await rfc_7677_client().client_final(RFC_7677_SERVER_FIRST.replace(b"4096", b"1000001"))
+    threads: list[int] = []
+    pbkdf2 = hashlib.pbkdf2_hmac
+
+    def recording(*args: object) -> bytes:
+        threads.append(threading.get_ident())
+        return pbkdf2(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hashlib, "pbkdf2_hmac", recording)
+    await rfc_7677_client().client_final(RFC_7677_SERVER_FIRST)
+    assert threads
+    assert threads[0] != threading.get_ident()
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        (ord("R"), b"\x00\x00"),  # no room for the request's code
+        (ord("R"), auth_request(5, b"s")),  # an MD5 salt of 1 byte
+        (ord("R"), auth_request(10, b"\xff\xfe\x00\x00")),  # mechanisms not UTF-8
+        (ord("S"), b"no terminators"),
+        (ord("K"), b"\x00"),
+    ],
+)
+async def test_a_startup_message_that_does_not_parse_is_a_connect_error(
+    kind: int, body: bytes
+) -> None:
+    with pytest.raises(ConnectError, match=f"malformed {chr(kind)!r} message from the server"):
+        await startup("password=x").receive(kind, body)
+
+
+async def test_a_server_first_message_that_does_not_parse_is_a_connect_error() -> None:
+    for server_first in (b"r=rOprNGfwEbeRWgbNEkqOxx,s=!!!,i=4096", b"\xff", b"i=many"):
+        s = startup("password=x")
+        await s.receive(ord("R"), auth_request(10, b"SCRAM-SHA-256\x00\x00"))
+        with pytest.raises(ConnectError):
+            await s.receive(ord("R"), auth_request(11, server_first))
+
+
+def test_sslrootcert_system_means_verify_full_and_nothing_weaker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert parse_conninfo("sslrootcert=system").sslmode == "verify-full"
+    assert parse_conninfo("sslrootcert=system sslmode=verify-full").sslmode == "verify-full"
+    for weaker in ("disable", "allow", "prefer", "require", "verify-ca"):
+        with pytest.raises(
+            ConnectError,
+            match=f'^weak sslmode "{weaker}" may not be used with sslrootcert=system',
+        ):
+            parse_conninfo(f"postgres://h/db?sslrootcert=system&sslmode={weaker}")
+    monkeypatch.setenv("PGSSLMODE", "require")
+    with pytest.raises(ConnectError, match='weak sslmode "require"'):
+        parse_conninfo("sslrootcert=system")
+
+
+def test_keepalives_and_their_timings_are_read_as_libpq_reads_them() -> None:
+    assert parse_conninfo("").keepalives == pgwire.Keepalives(enabled=True)
+    params = parse_conninfo(
+        "keepalives=1 keepalives_idle=7 keepalives_interval=3 keepalives_count=4 "
+        "tcp_user_timeout=9000"
+    )
+    assert params.keepalives == pgwire.Keepalives(True, 7, 3, 4, 9000)
+    assert not parse_conninfo("keepalives=0").keepalives.enabled
+    with pytest.raises(
+        ConnectError, match='invalid integer value "soon" for connection option "keepalives_idle"'
+    ):
+        parse_conninfo("keepalives_idle=soon")
+
+
+def test_a_client_key_others_may_read_is_refused(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path)
+    if certs is None:
+        pytest.skip("no openssl to make a client certificate")
+    key = certs / "server.key"
+    base = f"sslmode=require sslcert={certs / 'server.crt'} sslkey={key}"
+    key.chmod(0o644)
+    with pytest.raises(ConnectError, match=r'private key file ".*server.key" has group or world'):
+        pgwire.ssl_context(parse_conninfo(base))
+    key.chmod(0o600)
+    pgwire.ssl_context(parse_conninfo(base))
+    with pytest.raises(ConnectError, match="certificate present, but not private key file"):
+        pgwire.ssl_context(parse_conninfo(f"{base}.missing"))
+
+
+def test_the_channel_binding_data_is_the_certificate_hashed_by_its_signature_hash(
+    tmp_path: Path,
+) -> None:
+    import hashlib
+    import ssl as ssl_module
+
+    certs = make_certs(tmp_path)
+    if certs is None:
+        pytest.skip("no openssl to make a certificate")
+    der = ssl_module.PEM_cert_to_DER_cert((certs / "server.crt").read_text())
+    # make_certs signs with ECDSA and SHA-256 (openssl's default digest).
+    assert pgwire.server_end_point(der) == hashlib.sha256(der).digest()
+    assert pgwire.server_end_point(b"\x30\x03\x02\x01\x00") is None
+    assert pgwire.server_end_point(b"") is None
 
 
 # -- a private server: passwords and TLS for real -----------------------------------
@@ -494,6 +750,24 @@ async def test_tls_as_each_sslmode_asks(private_server: PrivateServer) -> None:
         await ReplicationConnection.connect(
             private_server.conninfo(
                 "tls_user", f"{password} sslmode=verify-full sslrootcert={certs}/missing.crt"
+            )
+        )
+
+
+async def test_scram_binds_the_channel_with_a_real_server(private_server: PrivateServer) -> None:
+    """channel_binding=require logs in only with SCRAM-SHA-256-PLUS, which the server
+    accepts only if our tls-server-end-point data is its certificate's hash."""
+    certs = tls_server(private_server)
+    for extra in ("sslmode=require", f"sslmode=verify-full sslrootcert={certs / 'ca.crt'}"):
+        conn = await ReplicationConnection.connect(
+            private_server.conninfo("tls_user", f"password=tls channel_binding=require {extra}")
+        )
+        await conn.close()
+    # md5_user's method has no channel binding.
+    with pytest.raises(ConnectError, match="channel binding required, but the server asked"):
+        await ReplicationConnection.connect(
+            private_server.conninfo(
+                "md5_user", "password='md5 secret' sslmode=require channel_binding=require"
             )
         )
 
