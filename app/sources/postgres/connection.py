@@ -678,7 +678,7 @@ def _set_keepalives(transport: asyncio.Transport, keepalives: pgwire.Keepalives)
     ]
     if keepalives.enabled:
         for option, value in options:
-            if option is not None and value is not None and value > 0:
+            if option is not None:  # Linux has all three; other systems may not
                 sock.setsockopt(socket.IPPROTO_TCP, option, value)
     user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
     if user_timeout is not None and keepalives.user_timeout_ms is not None:

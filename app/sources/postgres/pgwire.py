@@ -190,14 +190,17 @@ class AuthPolicy:
 
 @dataclass(frozen=True, slots=True)
 class Keepalives:
-    """TCP keepalives as libpq sets them: on unless ``keepalives=0``; the rest is the
-    system's default unless given (seconds, a count, and milliseconds)."""
+    """TCP keepalives: on unless ``keepalives=0``, as libpq. Unlike libpq, the
+    timings default to a dead peer noticed within about two minutes (60 s idle,
+    then 6 probes 10 s apart) rather than the system's two hours: a server with
+    ``wal_sender_timeout=0`` sends nothing while idle, and a host that vanished
+    without a FIN would otherwise hold the stream for hours."""
 
     enabled: bool = True
-    idle_s: int | None = None
-    interval_s: int | None = None
-    count: int | None = None
-    user_timeout_ms: int | None = None
+    idle_s: int = 60
+    interval_s: int = 10
+    count: int = 6
+    user_timeout_ms: int | None = None  # seconds, a count, then milliseconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,13 +293,7 @@ def parse_conninfo(conninfo: str) -> ConnParams:
         connect_timeout_s=None if timeout <= 0 else float(max(timeout, 2)),
         auth=_require_auth(values.get("require_auth")),
         channel_binding=channel_binding,
-        keepalives=Keepalives(
-            enabled=_integer(values, "keepalives") != 0,
-            idle_s=_integer(values, "keepalives_idle"),
-            interval_s=_integer(values, "keepalives_interval"),
-            count=_integer(values, "keepalives_count"),
-            user_timeout_ms=_integer(values, "tcp_user_timeout"),
-        ),
+        keepalives=_keepalives(values),
     )
 
 
@@ -317,6 +314,22 @@ def _sslmode(values: Mapping[str, str], sslrootcert: str, *, explicit: bool) -> 
                 '(use "verify-full")',
             )
     return sslmode
+
+
+def _keepalives(values: Mapping[str, str]) -> Keepalives:
+    default = Keepalives()
+    idle, interval, count = (
+        _integer(values, key)
+        for key in ("keepalives_idle", "keepalives_interval", "keepalives_count")
+    )
+    return Keepalives(
+        enabled=_integer(values, "keepalives") != 0,
+        # libpq: 0 (or less) is the system's default; ours is the class's.
+        idle_s=idle if idle is not None and idle > 0 else default.idle_s,
+        interval_s=interval if interval is not None and interval > 0 else default.interval_s,
+        count=count if count is not None and count > 0 else default.count,
+        user_timeout_ms=_integer(values, "tcp_user_timeout"),
+    )
 
 
 def _integer(values: Mapping[str, str], key: str) -> int | None:

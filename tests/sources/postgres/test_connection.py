@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import struct
 import time
 import uuid
@@ -45,6 +46,7 @@ from app.sources.postgres.pgoutput import (
     standby_status_update,
 )
 from app.sources.postgres.pgwire import ConnectError
+from tests.sources.postgres.tls_certs import make_certs
 
 MIN_CHUNK_BYTES = 64 << 10
 
@@ -529,38 +531,70 @@ async def test_a_connect_that_takes_too_long_gives_up(db_url: str) -> None:
 
 # -- connecting to a server that misbehaves (a fake one on loopback) -------------
 
-Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+class Inbox:
+    """What the client sent the fake server after its startup message, in order."""
+
+    def __init__(self) -> None:
+        self.received: list[bytes] = []
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    def put(self, message: bytes | None) -> None:
+        if message is not None:
+            self.received.append(message)
+        self._queue.put_nowait(message)
+
+    async def next(self) -> bytes | None:
+        """The client's next message; None once it left."""
+        return await self._queue.get()
+
+    async def until_gone(self) -> None:
+        while await self.next() is not None:
+            pass
+
+
+Script = Callable[[Inbox, asyncio.StreamWriter], Awaitable[None]]
 
 
 @asynccontextmanager
-async def fake_server(script: Script) -> AsyncIterator[tuple[int, list[bytes]]]:
-    """A TCP server on loopback that answers SSLRequest with N, reads the startup
-    message, then runs ``script``; yields its port and every message the client
-    sent after startup (type byte and body)."""
+async def fake_server(
+    script: Script, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[tuple[int, list[bytes]]]:
+    """A TCP server on loopback that answers SSLRequest (with TLS when given a
+    context, else N), reads the startup message, then runs ``script``; yields its
+    port and every message the client sent (``startup``, then type byte and body)."""
     received: list[bytes] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        inbox = Inbox()
+        inbox.received = received
         try:
             length, code = struct.unpack("!II", await reader.readexactly(8))
             if code == 80877103:  # SSLRequest
-                writer.write(b"N")
+                writer.write(b"S" if tls is not None else b"N")
+                await writer.drain()
+                if tls is not None:
+                    await writer.start_tls(tls)
                 length, code = struct.unpack("!II", await reader.readexactly(8))
             await reader.readexactly(length - 8)
             received.append(b"startup")
 
             async def record() -> None:
-                while True:
-                    kind, n = struct.unpack("!cI", await reader.readexactly(5))
-                    received.append(kind + await reader.readexactly(n - 4))
+                try:
+                    while True:
+                        kind, n = struct.unpack("!cI", await reader.readexactly(5))
+                        inbox.put(kind + await reader.readexactly(n - 4))
+                except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+                    inbox.put(None)
 
             recorder = asyncio.ensure_future(record())
             try:
-                await script(reader, writer)
+                await script(inbox, writer)
                 await writer.drain()
                 await asyncio.wait([recorder], timeout=10)
             finally:
                 recorder.cancel()
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
             pass
         finally:
             writer.close()
@@ -573,6 +607,24 @@ async def fake_server(script: Script) -> AsyncIterator[tuple[int, list[bytes]]]:
         await server.wait_closed()
 
 
+def auth(code: int, data: bytes = b"") -> bytes:
+    return backend_message(b"R", struct.pack("!I", code) + data)
+
+
+def asks(*messages: bytes) -> Script:
+    """A script that sends each of ``messages`` once the client answered the one
+    before (the first at once)."""
+
+    async def script(inbox: Inbox, w: asyncio.StreamWriter) -> None:
+        for i, m in enumerate(messages):
+            if i and await inbox.next() is None:
+                return
+            w.write(m)
+            await w.drain()
+
+    return script
+
+
 AUTH_OK = backend_message(b"R", struct.pack("!I", 0))
 READY = AUTH_OK + backend_message(b"K", struct.pack("!II", 77, 1)) + backend_message(b"Z", b"I")
 
@@ -580,7 +632,7 @@ READY = AUTH_OK + backend_message(b"K", struct.pack("!II", 77, 1)) + backend_mes
 async def test_a_malformed_startup_message_fails_that_host_and_the_next_is_tried(
     db_url: str,
 ) -> None:
-    async def garbage(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def garbage(_i: Inbox, w: asyncio.StreamWriter) -> None:
         w.write(backend_message(b"R", b"\x00"))  # an authentication request with no code
 
     async with fake_server(garbage) as (port, _):
@@ -595,8 +647,8 @@ async def test_a_malformed_startup_message_fails_that_host_and_the_next_is_tried
 
 
 async def test_each_host_has_its_own_connect_timeout(db_url: str) -> None:
-    async def silent(r: asyncio.StreamReader, _w: asyncio.StreamWriter) -> None:
-        await r.read()  # says nothing, until the client leaves
+    async def silent(inbox: Inbox, _w: asyncio.StreamWriter) -> None:
+        await inbox.until_gone()  # says nothing, until the client leaves
 
     async with fake_server(silent) as (port, _):
         params = conninfo_to_dict(db_url)
@@ -609,7 +661,7 @@ async def test_each_host_has_its_own_connect_timeout(db_url: str) -> None:
 
 
 async def test_an_oversized_control_message_is_refused_before_its_body_arrives() -> None:
-    async def huge(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def huge(_i: Inbox, w: asyncio.StreamWriter) -> None:
         # A ParameterStatus "of 100 MB": only its header is ever sent.
         w.write(b"S" + struct.pack("!I", 100 << 20))
 
@@ -632,7 +684,7 @@ def test_only_copy_data_may_be_long() -> None:
 async def test_sslrootcert_system_never_falls_back_to_plaintext() -> None:
     """A server (or whoever answers in its place) that says "no TLS" gets nothing."""
 
-    async def ask_in_the_clear(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def ask_in_the_clear(_i: Inbox, w: asyncio.StreamWriter) -> None:
         w.write(backend_message(b"R", struct.pack("!I", 3)))
 
     async with fake_server(ask_in_the_clear) as (port, received):
@@ -644,7 +696,7 @@ async def test_sslrootcert_system_never_falls_back_to_plaintext() -> None:
 
 
 async def test_tcp_keepalives_are_set_on_the_socket() -> None:
-    async def ready(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def ready(_i: Inbox, w: asyncio.StreamWriter) -> None:
         w.write(READY)
 
     async with fake_server(ready) as (port, _):
@@ -662,6 +714,13 @@ async def test_tcp_keepalives_are_set_on_the_socket() -> None:
             assert conn.backend_pid == 77
         finally:
             await conn.close()
+        conn = await ReplicationConnection.connect(f"host=127.0.0.1 port={port}")
+        try:  # on by default, a dead peer noticed in about 2 minutes, not the system's 2 hours
+            sock = conn._wire._transport().get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60
+        finally:
+            await conn.close()
         conn = await ReplicationConnection.connect(f"host=127.0.0.1 port={port} keepalives=0")
         try:
             sock = conn._wire._transport().get_extra_info("socket")
@@ -671,7 +730,7 @@ async def test_tcp_keepalives_are_set_on_the_socket() -> None:
 
 
 async def test_a_server_that_skips_authentication_is_refused_by_require_auth() -> None:
-    async def trust(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def trust(_i: Inbox, w: asyncio.StreamWriter) -> None:
         w.write(READY)
 
     async with fake_server(trust) as (port, received):
@@ -680,6 +739,105 @@ async def test_a_server_that_skips_authentication_is_refused_by_require_auth() -
                 f"host=127.0.0.1 port={port} user=x password=secret require_auth=scram-sha-256"
             )
         assert all(b"secret" not in m for m in received)
+
+
+SCRAM_ONLY = auth(10, b"SCRAM-SHA-256\x00\x00")
+
+
+def server_first(iterations: int) -> bytes:
+    return auth(11, f"r=NONCE+server,s=c2FsdA==,i={iterations}".encode())
+
+
+def no_clear_password(received: list[bytes], password: bytes = b"secret") -> bool:
+    """No PasswordMessage carried the password as it is (SCRAM never sends it)."""
+    return all(not (m.startswith(b"p") and password in m) for m in received)
+
+
+async def test_a_cleartext_request_after_scram_began_gets_no_password() -> None:
+    # The SCRAM nonce is the client's: a cleartext request follows the initial response.
+    async with fake_server(asks(SCRAM_ONLY, auth(3))) as (port, received):
+        with pytest.raises(ConnectError, match="cleartext password after scram-sha-256"):
+            await ReplicationConnection.connect(f"host=127.0.0.1 port={port} password=secret")
+        assert any(m.startswith(b"pSCRAM-SHA-256") for m in received)
+        assert no_clear_password(received)
+    async with fake_server(asks(SCRAM_ONLY, auth(5, b"salt"))) as (port, received):
+        with pytest.raises(ConnectError, match="hashed password after scram-sha-256"):
+            await ReplicationConnection.connect(f"host=127.0.0.1 port={port} password=secret")
+        assert not any(m.startswith(b"pmd5") for m in received)
+
+
+async def test_a_server_asking_for_a_huge_scram_iteration_count_is_refused_at_once() -> None:
+    async def huge(inbox: Inbox, w: asyncio.StreamWriter) -> None:
+        w.write(SCRAM_ONLY)
+        first = await inbox.next()
+        assert first is not None
+        nonce = first.split(b"r=")[1].decode()
+        w.write(auth(11, f"r={nonce}server,s=c2FsdA==,i=2147483647".encode()))
+
+    async with fake_server(huge) as (port, received):
+        with pytest.raises(ConnectError, match="asks for 2,147,483,647 iterations"):
+            await ReplicationConnection.connect(
+                f"host=127.0.0.1 port={port} password=secret", timeout_s=10
+            )
+        assert no_clear_password(received)
+
+
+async def test_require_auth_and_channel_binding_keep_the_password_from_a_server_that_asks() -> None:
+    for conninfo, refusal in (
+        ("require_auth=scram-sha-256", "server requested a cleartext password"),
+        ("require_auth=!password", "server requested a cleartext password"),
+        ("channel_binding=require sslmode=prefer", "channel binding required"),
+    ):
+        async with fake_server(asks(auth(3))) as (port, received):
+            with pytest.raises(ConnectError, match=refusal):
+                await ReplicationConnection.connect(
+                    f"host=127.0.0.1 port={port} password=secret {conninfo}"
+                )
+            assert received == [b"startup"], conninfo
+
+
+@pytest.fixture(scope="module")
+def server_tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, str]:
+    certs = make_certs(tmp_path_factory.mktemp("certs"))
+    if certs is None:
+        pytest.skip("no openssl to make a test CA")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certs / "server.crt", certs / "server.key")
+    return context, str(certs / "ca.crt")
+
+
+async def test_over_tls_a_server_that_drops_scram_plus_is_refused_or_sees_the_downgrade(
+    server_tls: tuple[ssl.SSLContext, str],
+) -> None:
+    context, ca = server_tls
+    async with fake_server(asks(SCRAM_ONLY), tls=context) as (port, received):
+        with pytest.raises(ConnectError, match="server did not offer an authentication method"):
+            await ReplicationConnection.connect(
+                f"host=127.0.0.1 port={port} password=x sslmode=require channel_binding=require"
+            )
+        assert received == [b"startup"]
+    async with fake_server(asks(SCRAM_ONLY), tls=context) as (port, received):
+        with pytest.raises(ConnectError):  # the fake says nothing more
+            await ReplicationConnection.connect(
+                f"host=127.0.0.1 port={port} password=x sslmode=verify-full sslrootcert={ca}",
+                timeout_s=1,
+            )
+        # "y": the client could have bound the channel; a real server that offered
+        # SCRAM-SHA-256-PLUS would see that someone took it off the list.
+        assert any(m.startswith(b"pSCRAM-SHA-256\x00") and b"y,,n=," in m for m in received)
+
+
+async def test_over_verified_tls_a_cleartext_password_is_sent(
+    server_tls: tuple[ssl.SSLContext, str],
+) -> None:
+    context, ca = server_tls
+    async with fake_server(asks(auth(3), READY), tls=context) as (port, received):
+        conn = await ReplicationConnection.connect(
+            f"host=localhost port={port} password=secret sslmode=verify-full sslrootcert={ca} "
+            "require_auth=password"
+        )
+        await conn.close()
+        assert b"psecret\x00" in received
 
 
 async def test_a_unix_socket_directory_connects(upstream: Upstream) -> None:

@@ -30,6 +30,7 @@ from app.sources.postgres import pgwire
 from app.sources.postgres.connection import FramePieces, ReplicationConnection
 from app.sources.postgres.pgoutput import Insert, XLogData, decode_message, parse_copy_data
 from app.sources.postgres.pgwire import ConnectError, ScramSha256, Startup, parse_conninfo
+from tests.sources.postgres.tls_certs import make_certs
 
 
 @pytest.fixture(autouse=True)
@@ -484,7 +485,8 @@ def test_sslrootcert_system_means_verify_full_and_nothing_weaker(
 
 
 def test_keepalives_and_their_timings_are_read_as_libpq_reads_them() -> None:
-    assert parse_conninfo("").keepalives == pgwire.Keepalives(enabled=True)
+    assert parse_conninfo("").keepalives == pgwire.Keepalives(True, 60, 10, 6, None)
+    assert parse_conninfo("keepalives_idle=0").keepalives.idle_s == 60
     params = parse_conninfo(
         "keepalives=1 keepalives_idle=7 keepalives_interval=3 keepalives_count=4 "
         "tcp_user_timeout=9000"
@@ -530,8 +532,6 @@ def test_the_channel_binding_data_is_the_certificate_hashed_by_its_signature_has
 
 # -- a private server: passwords and TLS for real -----------------------------------
 
-CA_NAME = "changestreamer test CA"
-
 
 @dataclass(frozen=True)
 class PrivateServer:
@@ -573,30 +573,6 @@ def server_bindir() -> Path | None:
         return bindir
     versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
     return versions[-1].parent if versions else None
-
-
-def make_certs(root: Path) -> Path | None:
-    """A CA, a server certificate it signed (localhost, 127.0.0.1), and another CA."""
-    if shutil.which("openssl") is None:
-        return None
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"]
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=root, check=True, capture_output=True, timeout=60)
-
-    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-subj", f"/CN={CA_NAME}")
-    openssl(
-        "req", "-x509", *ec, "-keyout", "other-ca.key", "-out", "other-ca.crt", "-subj", "/CN=x"
-    )
-    openssl(
-        "req", *ec[:-2], "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"
-    )
-    (root / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    openssl(
-        "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-        "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "san.ext",
-    )  # fmt: skip
-    return root
 
 
 def free_port() -> int:
