@@ -8,10 +8,12 @@ Upstream table/column/index specs (spec/source.md §1.6) map to SQLite like this
   keys), and defaults only for added columns (a new table has no rows to fill);
 * every table gets a last column ``_0_version`` (the row version), declared ``"text"``,
   with the replica version as its default when initial sync creates the table;
-* only a few default expressions translate to SQLite (numbers, booleans, a quoted
-  string with a cast, empty arrays); any other raises
-  :class:`~app.replica.errors.UnsupportedColumnDefaultError` (upstream backfills such
-  columns instead).
+* only a few default expressions translate to SQLite, each a literal (see
+  :func:`map_default`, the one place this rule lives: the Postgres source decides
+  "backfill or default" with it and the custom source refuses other defaults with
+  it); any other raises :class:`~app.replica.errors.UnsupportedColumnDefaultError`
+  (upstream backfills such columns instead). The default is SQL text spliced into
+  ``ALTER TABLE … ADD … DEFAULT``, so nothing else may reach it.
 
 The statement text matches zero's, so ``sqlite_master.sql`` reads the same
 (``tests/replica/test_reference_parity.py`` compares whole files).
@@ -43,16 +45,25 @@ __all__ = [
     "lite_table_name",
     "map_default",
     "quote_id",
+    "shown_default",
 ]
 
 ZERO_VERSION_COLUMN: Final = "_0_version"
 # JavaScript's Number.MAX_SAFE_INTEGER: zero's position for _0_version ("last").
 _LAST_POS: Final = 2**53 - 1
 
-_NUMERIC_LITERAL: Final = re.compile(r"-?\d+(\.\d+)?")
-_QUOTED_WITH_CAST: Final = re.compile(r"('.*')::(\w+)", re.DOTALL)
-_EMPTY_ARRAY_CONSTRUCTOR: Final = re.compile(r"ARRAY\s*\[\s*\]::\w+\[\]", re.IGNORECASE)
-_EMPTY_ARRAY_LITERAL: Final = re.compile(r"'\{\}'::\w+\[\]")
+# The defaults map_default accepts (always with fullmatch, ASCII only): each is one SQL
+# literal, so the text it returns cannot carry anything else into the DDL.
+_NUMERIC_LITERAL: Final = re.compile(r"-?\d+(\.\d+)?", re.ASCII)
+# One SQL string literal (a quote inside doubled, no NUL: Postgres text holds none),
+# then a cast to a simple type name. zero's pattern, "('.*')::(\w+)", has a greedy ".*"
+# that also takes "'x' CHECK (0) COLLATE 'binary'" (or "'x'; DROP TABLE t; SELECT 'y'")
+# as "the quoted string": SQL an upstream could inject (issue 25).
+_QUOTED_WITH_CAST: Final = re.compile(r"('(?:[^'\x00]|'')*')::\w+", re.ASCII)
+_EMPTY_ARRAY_CONSTRUCTOR: Final = re.compile(r"ARRAY\s*\[\s*\]::\w+\[\]", re.ASCII | re.IGNORECASE)
+_EMPTY_ARRAY_LITERAL: Final = re.compile(r"'\{\}'::\w+\[\]", re.ASCII)
+# How much of a refused default an error message shows.
+_SHOWN_CHARS: Final = 80
 # A legacy form zero refuses to write: attributes followed by "[]".
 _INVALID_TYPE: Final = re.compile(r".+\|.*\[\]", re.DOTALL)
 
@@ -78,7 +89,16 @@ def lite_table_name(schema: str, name: str) -> str:
 
 
 def map_default(table: str, column: str, dflt: str | None) -> str | None:
-    """The SQLite default for an upstream default expression (see the module docstring)."""
+    """The SQLite default for an upstream default expression, which must be a literal.
+
+    Accepted (the whole text, ASCII): ``None`` or ``""`` (no default); a number
+    ``-?\\d+(\\.\\d+)?`` (as is); ``true`` / ``false`` (``1`` / ``0``); one single-quoted
+    string, quotes inside doubled, cast to a simple type name, as Postgres writes
+    constants (``'abc'::text``, ``'2147483648'::bigint``; the string alone is kept);
+    an empty array, ``ARRAY[]::T[]`` or ``'{}'::T[]`` (``'[]'``). Anything else (a
+    call, an operator, a subquery, a bare string, ``NULL::T``, ``'{a}'::text[]``, SQL
+    after the literal) raises :class:`UnsupportedColumnDefaultError`, one line.
+    """
     if not dflt:
         return None
     if _NUMERIC_LITERAL.fullmatch(dflt):
@@ -90,7 +110,16 @@ def map_default(table: str, column: str, dflt: str | None) -> str | None:
         return match.group(1)
     if _EMPTY_ARRAY_CONSTRUCTOR.fullmatch(dflt) or _EMPTY_ARRAY_LITERAL.fullmatch(dflt):
         return "'[]'"
-    raise UnsupportedColumnDefaultError(f"Unsupported default value for {table}.{column}: {dflt}")
+    raise UnsupportedColumnDefaultError(
+        f"Unsupported default value for {table}.{column}: {shown_default(dflt)}"
+    )
+
+
+def shown_default(dflt: str) -> str:
+    """A default for a one-line message: as is if short and printable, else its repr, cut."""
+    if len(dflt) <= _SHOWN_CHARS and dflt.isprintable():
+        return dflt
+    return repr(dflt if len(dflt) <= _SHOWN_CHARS else dflt[:_SHOWN_CHARS] + "...")
 
 
 def lite_column(

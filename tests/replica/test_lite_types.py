@@ -130,6 +130,11 @@ def test_special_float_strings_come_back_out_as_the_same_strings(column_type: st
         ("false", "0"),
         ("'foo'::text", "'foo'"),
         ("'2147483648'::bigint", "'2147483648'"),
+        ("'it''s'::text", "'it''s'"),
+        ("''::text", "''"),
+        ("''''::text", "''''"),
+        ("'x'''::text", "'x'''"),
+        ("'a;b -- c\n)'::text", "'a;b -- c\n)'"),
         ("ARRAY[]::text[]", "'[]'"),
         ("'{}'::integer[]", "'[]'"),
     ],
@@ -142,6 +147,42 @@ def test_supported_column_defaults(dflt: str | None, expected: str | None) -> No
 def test_other_column_defaults_are_refused(dflt: str) -> None:
     with pytest.raises(UnsupportedColumnDefaultError, match=r"Unsupported default value for t\.c"):
         map_default("t", "c", dflt)
+
+
+# Defaults that would put an upstream's SQL into the replica's DDL (issue 25). The first
+# ones match zero's "('.*')::(\w+)", whose greedy ".*" spans several literals.
+INJECTED_DEFAULTS = [
+    "'x' CHECK (0) COLLATE 'binary'::text",
+    "'x'; DROP TABLE foo; SELECT 'y'::text",
+    "'x' REFERENCES 'bar'::text",
+    "'a' || 'b'::text",
+    "'x''::text",  # unterminated: the quote before :: is doubled
+    "'x\x00'::text",
+    "'x'::text; DROP TABLE foo",
+    "'x'::text\n",
+    "1); DROP TABLE foo; --",
+    "(SELECT 1)",
+    "42 CHECK (0)",
+    "\u0661\u0662",  # Arabic-Indic digits, which \d matches without re.ASCII
+    "'x'",  # no cast: Postgres always writes one
+    "NULL::text",
+]
+
+
+@pytest.mark.parametrize("dflt", INJECTED_DEFAULTS)
+def test_only_a_literal_default_is_accepted(dflt: str) -> None:
+    with pytest.raises(
+        UnsupportedColumnDefaultError, match=r"^Unsupported default value for t\.c: "
+    ):
+        map_default("t", "c", dflt)
+
+
+def test_a_refused_default_is_shown_on_one_line() -> None:
+    with pytest.raises(UnsupportedColumnDefaultError) as raised:
+        map_default("t", "c", "'x'\n; DROP TABLE t; " + "-" * 200)
+    assert str(raised.value) == (
+        "Unsupported default value for t.c: \"'x'\\n; DROP TABLE t; " + "-" * 60 + '..."'
+    )
 
 
 def test_create_table_text_matches_zero() -> None:

@@ -294,6 +294,55 @@ def test_add_column_with_an_unsupported_default_rolls_back(
     assert snapshot(replica) == before
 
 
+def add_column(name: str, dflt: str) -> dict[str, Any]:
+    return {
+        "tag": "add-column",
+        "table": {"schema": "public", "name": "foo"},
+        "column": {"name": name, "spec": column(3, "text", dflt=dflt)},
+    }
+
+
+@pytest.mark.parametrize(
+    "dflt",
+    [
+        # zero's pattern takes these for one quoted string with a cast (issue 25).
+        "'x' CHECK (0) COLLATE 'binary'::text",  # every later insert into foo would fail
+        "'x'; DROP TABLE foo; SELECT 'y'::text",  # zero-cache runs DDL with exec()
+        "'x' REFERENCES 'bar'::text",
+        "1); DROP TABLE foo; --",
+    ],
+)
+@pytest.mark.parametrize("rows_before", [0, 1])
+def test_an_injected_default_is_refused_and_the_tables_are_untouched(
+    with_foo: ReplicaWriter, replica: Path, dflt: str, rows_before: int
+) -> None:
+    if rows_before:
+        apply_tx(with_foo, "03", insert({"id": 1}))
+    before = snapshot(replica)
+    with_foo.begin("04", {"tag": "begin"})
+    with pytest.raises(
+        UnsupportedColumnDefaultError, match=r"^Unsupported default value for foo\.c: "
+    ):
+        with_foo.apply(add_column("c", dflt))
+    assert not with_foo.in_transaction
+    assert snapshot(replica) == before
+    apply_tx(with_foo, "05", insert({"id": 2}))  # foo takes rows as before
+    assert [row[0] for row in foo_rows(replica)] == [*([1] if rows_before else []), 2]
+    assert [name for name, *_ in table_info(replica, "foo")] == ["id", "name", "_0_version"]
+
+
+def test_a_quoted_string_default_with_a_cast_still_fills_existing_rows(
+    with_foo: ReplicaWriter, replica: Path
+) -> None:
+    apply_tx(with_foo, "03", insert({"id": 1}))
+    apply_tx(with_foo, "04", add_column("c", "'x'::text"), add_column("d", "'it''s; --'::text"))
+    assert table_info(replica, "foo")[-2:] == [
+        ("c", "TEXT", 0, "'x'"),
+        ("d", "TEXT", 0, "'it''s; --'"),
+    ]
+    assert foo_rows(replica) == [(1, None, "03", "x", "it's; --")]
+
+
 def test_update_column_renames(with_foo: ReplicaWriter, replica: Path) -> None:
     apply_tx(with_foo, "03", insert({"id": 1, "name": "a"}))
     apply_tx(

@@ -16,12 +16,13 @@ built for the reference apply them.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 from typing import Any, Final, TypeVar
 
 from psycopg import sql as pgsql
 
+from app.replica.ddl import map_default
+from app.replica.errors import UnsupportedColumnDefaultError
 from app.sources.postgres.errors import DdlError
 from app.sources.postgres.published import (
     IndexSpec,
@@ -614,21 +615,14 @@ def _find_table(tables: dict[int, TableSpec], schema: str, name: str) -> TableSp
     return None
 
 
-# Defaults the replica can apply to existing rows of a new column (a conservative
-# allowlist; everything else is backfilled from upstream).
-_NUMERIC: Final = re.compile(r"-?\d+(\.\d+)?", re.ASCII)
-_QUOTED_WITH_CAST: Final = re.compile(r"('.*')::(\w+)", re.ASCII)
-_EMPTY_ARRAY_CONSTRUCTOR: Final = re.compile(r"ARRAY\s*\[\s*\]::\w+\[\]", re.ASCII | re.IGNORECASE)
-_EMPTY_ARRAY_LITERAL: Final = re.compile(r"'\{\}'::\w+\[\]", re.ASCII)
-
-
 def _replicable_default(dflt: str | None) -> bool:
-    if not dflt:
-        return True
-    return bool(
-        _NUMERIC.fullmatch(dflt)
-        or dflt in ("true", "false")
-        or _QUOTED_WITH_CAST.fullmatch(dflt)
-        or _EMPTY_ARRAY_CONSTRUCTOR.fullmatch(dflt)
-        or _EMPTY_ARRAY_LITERAL.fullmatch(dflt)
-    )
+    """Whether the replica can apply this default to existing rows of a new column.
+
+    The replica's own rule (:func:`app.replica.ddl.map_default`, a literal only);
+    every other default is backfilled from upstream.
+    """
+    try:
+        map_default("", "", dflt)
+    except UnsupportedColumnDefaultError:
+        return False
+    return True

@@ -353,6 +353,29 @@ def test_event_without_previous_schema_diffs_against_the_previous_event() -> Non
     assert add["column"]["spec"]["dflt"] == "1"
 
 
+@pytest.mark.parametrize(
+    ("dflt", "in_place"),
+    [
+        ("'it''s'::text", True),
+        # Several literals that zero's "('.*')::(\w+)" took for one (issue 25): the
+        # replica's rule (app.replica.ddl.map_default) refuses it, so it is backfilled.
+        ("'x' CHECK (0) COLLATE 'binary'::text", False),
+    ],
+)
+def test_an_added_column_keeps_its_default_only_if_the_replica_accepts_it(
+    dflt: str, in_place: bool
+) -> None:
+    processor = DdlEventProcessor()
+    text = {**V, "dflt": dflt, "typeOID": 25, "dataType": "text"}
+    before, after = one_table({"id": ID}), one_table({"id": ID, "v": text})
+    assert processor.process(event("ddlStart", "ALTER TABLE", before, None)) == []
+
+    (add,) = processor.process(event("ddlUpdate", "ALTER TABLE", after))
+
+    assert ("backfill" not in add) is in_place
+    assert add["column"]["spec"]["dflt"] == (dflt if in_place else None)
+
+
 def test_first_event_without_anything_to_diff_against_is_nothing() -> None:
     assert (
         DdlEventProcessor().process(event("ddlUpdate", "ALTER TABLE", one_table({"id": ID}))) == []
