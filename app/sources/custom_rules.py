@@ -1,4 +1,4 @@
-"""The watermark rules a custom change source must keep (spec/source.md §1.7, §1.8, §2.4).
+"""The rules a custom change source must keep (spec/source.md §1.6, §1.7, §1.8, §2.4).
 
 The message parser already refuses a watermark that is not a LexiVersion
 (``major`` or ``major.minor``); :class:`StreamRules` checks what one message alone
@@ -13,7 +13,13 @@ cannot show, in stream order:
   "the log has reached here"; what follows it cannot be behind it);
 * ``create-table`` / ``add-column`` carry no ``backfill`` field: custom sources
   cannot be asked for backfills on restart (they refuse backfill requests), so a
-  column announced as "filled later" would stay hidden in the replica for good.
+  column announced as "filled later" would stay hidden in the replica for good;
+* every column default (``dflt``) of a ``create-table`` / ``add-column`` is a literal
+  the replica accepts (:func:`app.replica.ddl.map_default`, the one rule: a number,
+  ``true``/``false``, a quoted string with a ``::type`` cast, an empty array, or
+  none). The replica splices an added column's default into SQLite DDL, and so
+  does every zero-cache that replicates from this change log: anything else could
+  carry SQL in (issue 25), so it is refused before it is stored.
 
 Checked at ``begin`` where possible, so nothing of a transaction that breaks them is
 forwarded. The Postgres source derives its watermarks from commit LSNs, which keep
@@ -25,13 +31,17 @@ are the service's to detect (``app/streamer/service.py``); these rules ignore th
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final
 
 from app.protocol.messages import Begin, ChangeSourceMessage, Commit, Data, Rollback, Status
+from app.replica.ddl import lite_table_name, map_default, shown_default
+from app.replica.errors import UnsupportedColumnDefaultError
 
 __all__ = ["StreamRules"]
 
-# Schema changes that may name columns to backfill (spec/source.md §1.6).
+# Schema changes that may name columns to backfill and carry column defaults
+# (spec/source.md §1.6).
 _BACKFILL_TAGS: Final = frozenset({"create-table", "add-column"})
 
 
@@ -54,7 +64,7 @@ class StreamRules:
         kind = type(message)
         if kind is Data:
             assert isinstance(message, Data)
-            return _backfill_problem(message)
+            return _backfill_problem(message) or _default_problem(message)
         if kind is Begin:
             assert isinstance(message, Begin)
             return self._begin(message.commit_watermark)
@@ -114,11 +124,39 @@ class StreamRules:
 def _backfill_problem(message: Data) -> str | None:
     if message.tag not in _BACKFILL_TAGS or "backfill" not in message.body:
         return None
-    body = message.body
-    table = body.get("spec") if message.tag == "create-table" else body.get("table")
-    name = f"{table.get('schema')}.{table.get('name')}" if isinstance(table, dict) else "a table"
-    article = "an" if message.tag == "add-column" else "a"
     return (
-        f"{article} {message.tag} of {name} with a 'backfill' field "
+        f"{_schema_change(message)} with a 'backfill' field "
         "(custom change sources cannot backfill: leave it out and send the rows)"
     )
+
+
+def _default_problem(message: Data) -> str | None:
+    """A column default that is not a literal the replica accepts, named with its column."""
+    if message.tag not in _BACKFILL_TAGS:
+        return None
+    body = message.body  # its shape is checked already (app.protocol.changes)
+    if message.tag == "create-table":
+        table, columns = body["spec"], body["spec"]["columns"].items()
+    else:
+        table, columns = body["table"], [(body["column"]["name"], body["column"]["spec"])]
+    for column, spec in columns:
+        dflt = spec.get("dflt")
+        try:
+            map_default(lite_table_name(table["schema"], table["name"]), column, dflt)
+        except UnsupportedColumnDefaultError:
+            return (
+                f"{_schema_change(message)} whose column {column} has the default "
+                f"{shown_default(dflt)}, not a literal (a column default must be a number, "
+                "true, false, a quoted string with a ::type cast such as 'x'::text, an empty "
+                "array, or null)"
+            )
+    return None
+
+
+def _schema_change(message: Data) -> str:
+    """``a create-table of public.t`` / ``an add-column of public.t``."""
+    body = message.body
+    table: Any = body.get("spec") if message.tag == "create-table" else body.get("table")
+    name = f"{table.get('schema')}.{table.get('name')}" if isinstance(table, Mapping) else "a table"
+    article = "an" if message.tag == "add-column" else "a"
+    return f"{article} {message.tag} of {name}"

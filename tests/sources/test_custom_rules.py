@@ -35,6 +35,16 @@ ADD = {
 }
 
 
+def with_default(change: dict[str, Any], dflt: str | None) -> dict[str, Any]:
+    """``change`` (CREATE or ADD) with ``dflt`` on its (last) column."""
+    if change["tag"] == "create-table":
+        spec = change["spec"]
+        columns = {**spec["columns"], "c": {"pos": 2, "dataType": "text", "dflt": dflt}}
+        return {**change, "spec": {**spec, "columns": columns}}
+    column = change["column"]
+    return {**change, "column": {**column, "spec": {**column["spec"], "dflt": dflt}}}
+
+
 def problems(after: str | None, *messages: list[Any]) -> list[str | None]:
     rules = StreamRules(after)
     return [rules.check(parse_change_source_message(m)) for m in messages]
@@ -46,6 +56,12 @@ def test_a_well_behaved_stream_passes() -> None:
         begin("06"),
         ["data", CREATE],
         ["data", ADD],
+        ["data", with_default(CREATE, "'0'::integer")],
+        ["data", with_default(ADD, None)],
+        ["data", with_default(ADD, "'it''s'::text")],
+        ["data", with_default(ADD, "-1.5")],
+        ["data", with_default(ADD, "true")],
+        ["data", with_default(ADD, "'{}'::text[]")],
         commit("06"),
         status("06"),  # non-decreasing: equal is fine
         begin("07"),
@@ -117,6 +133,32 @@ def test_the_initial_sync_has_no_start_watermark() -> None:
             "01",
             [begin("02"), ["data", {**ADD, "backfill": {"attNum": 2}}]],
             "an add-column of public.t with a 'backfill' field",
+        ),
+        (
+            "01",
+            [begin("02"), ["data", with_default(ADD, "'x' CHECK (0) COLLATE 'binary'::text")]],
+            "an add-column of public.t whose column c has the default "
+            "'x' CHECK (0) COLLATE 'binary'::text, not a literal (a column default must be a "
+            "number, true, false, a quoted string with a ::type cast such as 'x'::text, an "
+            "empty array, or null)",
+        ),
+        (
+            "01",
+            [begin("02"), ["data", with_default(ADD, "1); DROP TABLE t; --")]],
+            "an add-column of public.t whose column c has the default 1); DROP TABLE t; --, "
+            "not a literal",
+        ),
+        (
+            "01",
+            [begin("02"), ["data", with_default(CREATE, "'x'::text;\nDROP TABLE t")]],
+            "a create-table of public.t whose column c has the default "
+            "\"'x'::text;\\nDROP TABLE t\", not a literal",
+        ),
+        (
+            "01",
+            [begin("02"), ["data", with_default(CREATE, "nextval('t_id_seq'::regclass)")]],
+            "a create-table of public.t whose column c has the default "
+            "nextval('t_id_seq'::regclass), not a literal",
         ),
     ],
 )

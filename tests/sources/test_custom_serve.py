@@ -4,8 +4,9 @@ as a child process (``tests/serve_pg``'s :class:`Serve`), real SQLite files.
 
 Covers spec/source.md §4: the initial sync into the replica file, streaming to a
 subscriber (the Python client) with acks back to the source, a reconnect after the
-source drops the socket, each watermark rule of §2.4 a source can break (one clear
-line in serve's log, and serve reconnects), and the publications check on restart.
+source drops the socket, each watermark rule of §2.4 a source can break and a column
+default that is not a literal (one clear line in serve's log, serve reconnects, nothing
+of the transaction is stored), and the publications check on restart.
 """
 
 from __future__ import annotations
@@ -253,6 +254,16 @@ def _with_backfill(tx: list[Frame]) -> list[Frame]:
     return [tx[0], ["data", {**change, "backfill": {"id": {"attNum": 1}}}], tx[-1]]
 
 
+def _injected_default(watermark: str) -> list[Frame]:
+    """An add-column whose default carries SQL (issue 25), after a good change."""
+    spec = {"pos": 3, "dataType": "text", "dflt": INJECTED_DEFAULT}
+    add = {"tag": "add-column", "table": {"schema": "public", "name": "issues"}}
+    return transaction(watermark, issue(6, "six"), {**add, "column": {"name": "c", "spec": spec}})
+
+
+INJECTED_DEFAULT = "'x'; DROP TABLE issues; SELECT 'y'::text"
+
+
 def _mismatched(watermark: str, commit: str) -> list[Frame]:
     tx = transaction(watermark, issue(6, "six"))
     return [*tx[:-1], ["commit", {"tag": "commit"}, {"watermark": commit}]]
@@ -299,6 +310,13 @@ VIOLATIONS = {
         "cannot backfill: leave it out and send the rows)",
         "0b",
     ),
+    "column default not a literal": (
+        _injected_default("0c"),
+        f"sent an add-column of public.issues whose column c has the default {INJECTED_DEFAULT}, "
+        "not a literal (a column default must be a number, true, false, a quoted string "
+        "with a ::type cast such as 'x'::text, an empty array, or null)",
+        "0b",
+    ),
 }
 
 
@@ -327,6 +345,13 @@ async def test_a_broken_watermark_rule_is_one_line_and_serve_reconnects(
         up.publish(transaction("0z", issue(9, "nine")))
         await eventually(lambda: change_db_watermark(serve.change_db_file) == "0z", "0z stored")
         assert {w for w, _ in stored(serve)} == {"0a", "0b", last_good, "0z"}
+        # The replica's tables are as they were, and take rows.
+        await eventually(
+            lambda: replica_versions(serve.replica_file)[1] == "0z", "replica at 0z", WAIT_S
+        )
+        columns = lite_rows(serve.replica_file, "SELECT name FROM pragma_table_info('issues')")
+        assert [name for (name,) in columns] == ["id", "title", "_0_version"]
+        assert [row[0] for row in issues(serve.replica_file)][-1] == 9
         assert serve.alive()
         assert sum(error in text for text in serve.output().splitlines()) == 1
         await serve.terminate()
