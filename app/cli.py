@@ -180,6 +180,17 @@ def _add_tail_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="exit when reconnecting keeps failing this long (default: retry forever)",
     )
+    _replication_password_file(parser)
+
+
+def _replication_password_file(parser: argparse.ArgumentParser) -> None:
+    # As for status: never the password itself on the command line.
+    parser.add_argument(
+        "--password-file",
+        type=Path,
+        help="a file holding the replication password, for a server with "
+        "CHANGESTREAMER_REPLICATION_PASSWORD (default: that variable)",
+    )
 
 
 def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
@@ -212,6 +223,7 @@ def _add_replicate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--id", dest="subscriber_id", help="subscriber id (default replicate-<pid>)"
     )
+    _replication_password_file(parser)
     parser.add_argument(
         "--task-id",
         help="the task whose snapshot reservation this subscription ends (after a restore)",

@@ -33,9 +33,9 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, TextIO
 
+from app.client.credentials import PasswordFileError, read_password_file
 from app.client.urls import parse_base_url
 from app.protocol.canonical_json import dumps, loads
 
@@ -161,9 +161,9 @@ def run_status(
         password = args.password
     elif args.password_file is not None:
         try:
-            password = Path(args.password_file).read_text(encoding="utf-8").rstrip("\r\n")
-        except (OSError, UnicodeDecodeError) as e:
-            errors.write(f"changestreamer status: cannot read --password-file: {e}\n")
+            password = read_password_file(args.password_file)
+        except PasswordFileError as e:
+            errors.write(f"changestreamer status: {e}\n")
             return 2
     else:
         password = environ.get("ZERO_ADMIN_PASSWORD") or None

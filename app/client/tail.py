@@ -30,6 +30,7 @@ import sys
 from typing import TextIO
 
 from app.client.client import ChangeStreamerClient
+from app.client.credentials import PasswordFileError, replication_password
 from app.client.errors import ClientError
 from app.client.render import message_printer
 from app.client.resume import ReconnectPolicy
@@ -50,6 +51,7 @@ async def tail(
     err: TextIO | None = None,
     subscriber_id: str | None = None,
     give_up_after_s: float | None = None,
+    password: str | None = None,
 ) -> int:
     """Prints transactions until ``limit`` commits (or forever); returns the exit code.
 
@@ -58,7 +60,7 @@ async def tail(
     """
     errors = err if err is not None else sys.stderr
     try:
-        client = ChangeStreamerClient(url)
+        client = ChangeStreamerClient(url, password=password)
     except ValueError as e:
         errors.write(f"changestreamer tail: {e}\n")
         return 2
@@ -87,6 +89,11 @@ async def tail(
 
 def run_tail(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Runs ``tail`` for its parsed options (``app/cli.py``); the exit code."""
+    try:
+        password = replication_password(args.password_file)
+    except PasswordFileError as e:
+        (err if err is not None else sys.stderr).write(f"changestreamer tail: {e}\n")
+        return 2
     return asyncio.run(
         tail(
             args.url,
@@ -98,5 +105,6 @@ def run_tail(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
             err=err,
             subscriber_id=args.subscriber_id,
             give_up_after_s=args.give_up_after,
+            password=password,
         )
     )

@@ -35,6 +35,7 @@ from pathlib import Path
 from app.backup.process import check_version
 from app.backup.restore import RestoreError, restore_replica
 from app.client import ChangeStreamerClient, ClientError, ProtocolError, SnapshotFollowup
+from app.client.credentials import PasswordFileError, replication_password
 from app.config import SettingsError, load_settings
 from app.logs import configure_logging, final_line
 from app.replica.errors import ReplicaError, ResyncRequiredError
@@ -58,10 +59,16 @@ def run_replicate(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     replica: Path = args.replica
     try:
+        try:
+            password = replication_password(args.password_file)
+        except PasswordFileError as e:
+            raise _Stop(str(e), 2) from e
         missing = not replica.exists()
         if missing and not replica.parent.is_dir():
             raise _Stop(f"directory {replica.parent} does not exist", 2)
-        stopped_by = asyncio.run(_replicate(args, replica, restore_first=missing))
+        stopped_by = asyncio.run(
+            _replicate(args, replica, restore_first=missing, password=password)
+        )
     except _Stop as e:
         final_line(str(e), command="changestreamer replicate")
         return e.code
@@ -74,7 +81,9 @@ def run_replicate(args: argparse.Namespace) -> int:
     return 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
 
 
-async def _replicate(args: argparse.Namespace, replica: Path, *, restore_first: bool) -> int | None:
+async def _replicate(
+    args: argparse.Namespace, replica: Path, *, restore_first: bool, password: str | None
+) -> int | None:
     """Replicates (after restoring the replica, if asked) until a signal; the signal."""
     stop = asyncio.Event()
     stopped_by: list[int] = []
@@ -88,7 +97,9 @@ async def _replicate(args: argparse.Namespace, replica: Path, *, restore_first: 
         loop.add_signal_handler(sig, on_signal, sig)
     subscriber_id = args.subscriber_id or f"replicate-{os.getpid()}"
     task_id: str | None = args.task_id
-    client = ChangeStreamerClient(args.url, protocol_version=args.protocol_version)
+    client = ChangeStreamerClient(
+        args.url, protocol_version=args.protocol_version, password=password
+    )
     reservation: SnapshotFollowup | None = None
     if restore_first:
         task_id = task_id or subscriber_id

@@ -260,7 +260,11 @@ async def restore_if_missing(
     options = litestream_options(settings)
     held: HeldReservation | None = None
     if owner_address:
-        held = HeldReservation(owner_address, settings.task_id or "changestreamer-restore")
+        held = HeldReservation(
+            owner_address,
+            settings.task_id or "changestreamer-restore",
+            password=settings.replication_password,  # the nodes of one deployment share it
+        )
         if await asyncio.to_thread(held.start):
             log.info("holding a snapshot reservation on %s during the restore", owner_address)
     try:

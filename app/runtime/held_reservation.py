@@ -28,9 +28,10 @@ JOIN_TIMEOUT_S: Final = 10.0
 
 
 class HeldReservation:
-    def __init__(self, address: str, task_id: str) -> None:
+    def __init__(self, address: str, task_id: str, *, password: str | None = None) -> None:
         self.address = address
         self._task_id = task_id
+        self._password = password
         self._reserved = threading.Event()
         self._done = threading.Event()
         self._release = threading.Event()
@@ -71,7 +72,9 @@ class HeldReservation:
         from app.client import ChangeStreamerClient
         from app.client.discovery import address_to_url
 
-        client = ChangeStreamerClient(address_to_url(self.address), open_timeout_s=5.0)
+        client = ChangeStreamerClient(
+            address_to_url(self.address), open_timeout_s=5.0, password=self._password
+        )
         _status, followup = await within(client.reserve_snapshot(self._task_id), RESERVE_TIMEOUT_S)
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         self._reserved.set()

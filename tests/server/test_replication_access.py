@@ -10,9 +10,11 @@ request line, never from the ``Host`` header.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import functools
+import io
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,9 +23,17 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from app.cli import build_parser
 from app.client.client import ChangeStreamerClient
+from app.client.credentials import (
+    REPLICATION_PASSWORD_ENV,
+    PasswordFileError,
+    replication_password,
+)
 from app.client.subscription import SubscriptionContext
+from app.client.tail import run_tail
 from app.protocol.canonical_json import dumps, loads
+from app.runtime.held_reservation import HeldReservation
 from tests.waiting import eventually
 
 from .conftest import Server, start_server
@@ -197,3 +207,71 @@ async def closed_with_host(url: str, host: str) -> tuple[int, str]:
             await asyncio.wait_for(ws.recv(), 10)
     assert closed.value.rcvd is not None
     return closed.value.rcvd.code, closed.value.rcvd.reason
+
+
+# -- our own clients with the replication password (tail, replicate, a takeover) ----
+
+
+def tail_args(url: str, *extra: str) -> argparse.Namespace:
+    args = build_parser().parse_args(["tail", url, *extra])
+    args.limit = 0  # return once subscribed (the command line takes N >= 1)
+    return args
+
+
+async def test_tail_sends_the_password_from_the_environment_or_a_file(
+    guarded: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    err = io.StringIO()
+    code = await asyncio.to_thread(run_tail, tail_args(guarded.url), io.StringIO(), err)
+    assert code == 1
+    assert "401" in err.getvalue()
+    assert err.getvalue().count("\n") == 1
+    secret = tmp_path / "password"
+    secret.write_text("s3cr-t\n")
+    assert (
+        await asyncio.to_thread(
+            run_tail, tail_args(guarded.url, "--password-file", str(secret)), io.StringIO(), err
+        )
+        == 0
+    )
+    monkeypatch.setenv(REPLICATION_PASSWORD_ENV, "s3cr-t")
+    assert await asyncio.to_thread(run_tail, tail_args(guarded.url), io.StringIO(), err) == 0
+    missing = io.StringIO()
+    args = tail_args(guarded.url, "--password-file", str(tmp_path / "missing"))
+    assert run_tail(args, io.StringIO(), missing) == 2
+    assert missing.getvalue().startswith("changestreamer tail: cannot read --password-file")
+
+
+def test_replicate_reads_its_password_file_or_stops_in_one_line(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        ["replicate", "ws://127.0.0.1:9", "--replica", str(tmp_path / "r.db"),
+         "--password-file", str(tmp_path / "missing")]
+    )  # fmt: skip
+    assert args.password_file == tmp_path / "missing"
+    with pytest.raises(PasswordFileError, match="cannot read --password-file"):
+        replication_password(args.password_file, {})
+    secret = tmp_path / "password"
+    secret.write_text("s3cr-t\n")
+    assert replication_password(secret, {}) == "s3cr-t"
+    assert replication_password(None, {REPLICATION_PASSWORD_ENV: "from-env"}) == "from-env"
+
+
+async def test_a_takeover_reserves_on_a_guarded_owner_with_the_shared_password(
+    guarded: Server,
+) -> None:
+    address = guarded.url.removeprefix("ws://")
+    refused = HeldReservation(address, "takeover-1")
+    assert not await asyncio.to_thread(refused.start)  # 401: no reservation
+    assert "takeover-1" not in guarded.service.reservations.open_tasks
+    held = HeldReservation(address, "takeover-2", password="s3cr-t")
+    # (This owner has no backup to report, so start() would wait out its timeout for
+    # the reservation's status; the reservation itself is what the password opens.)
+    starting = asyncio.ensure_future(asyncio.to_thread(held.start))
+    try:
+        await eventually(
+            lambda: "takeover-2" in guarded.service.reservations.open_tasks,
+            "the reservation is open on the owner",
+        )
+    finally:
+        await asyncio.to_thread(held.release)
+        starting.cancel()
