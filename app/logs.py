@@ -17,7 +17,8 @@ about a subscriber logged from elsewhere (the forwarder's timers, say) passes th
 with ``extra=log_extra(fields)``. Nothing is done per change or per message.
 
 Secrets: ``RedactSecrets`` scrubs every line's message, arguments and traceback
-of URL passwords, ``password=`` conninfo values and secret-looking query
+of URL passwords, ``password=`` conninfo values, ``Authorization`` header values
+(websockets logs its handshake at debug level) and secret-looking query
 parameters (``redact``, the one implementation; error messages that quote a URL use
 it too). ``redacted_conninfo`` shows a Postgres upstream without them.
 
@@ -103,6 +104,13 @@ _LIBPQ_TOKEN: Final = re.compile(
     r"((?:invalid percent-encoded token|invalid URI query parameter|"
     r'unexpected spaces found in)\s*:?\s*)"[^"]*"'
 )
+# A credential header as websockets logs a handshake at debug level
+# (``> Authorization: Basic OnMzY3I…``: the base64 of the replication password),
+# or as a header dict's (or an ASGI scope's) repr shows it; the scheme is kept, the credentials not.
+_AUTHORIZATION: Final = re.compile(
+    r"(?i)(\b(?:proxy-)?authorization(?:['\"]?\s*[:=]|['\"]\s*,)\s*(?:b(?=['\"]))?['\"]?"
+    r"(?:[A-Za-z][\w\-]*\s+)?)[^\s'\"]+"
+)
 # Query parameters whose name says secret: a custom source's ?apiKey=, a signed
 # URL's X-Amz-Signature / X-Amz-Credential, ?token=, ?secret=.
 _SECRET_PARAM: Final = re.compile(
@@ -113,8 +121,9 @@ _SECRET_PARAM: Final = re.compile(
 
 def redact(text: str) -> str:
     """``text`` with every password and secret-looking parameter replaced by ``***``."""
-    if "@" not in text and "=" not in text and '"' not in text:
+    if "@" not in text and "=" not in text and '"' not in text and "uthorization" not in text:
         return text  # the common line: nothing that could hold a secret
+    text = _AUTHORIZATION.sub(r"\1***", text)
     text = _LIBPQ_TOKEN.sub(r'\1"***"', text)
     text = _URL_PASSWORD.sub(r"\1:***@", text)
     text = _CONNINFO_PASSWORD.sub(r"\1***", text)

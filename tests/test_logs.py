@@ -72,6 +72,10 @@ TEXT_LINE = re.compile(
             "s3://b/x?X-Amz-Signature=abc&X-Amz-Credential=AK/1",
             "s3://b/x?X-Amz-Signature=***&X-Amz-Credential=***",
         ),
+        # websockets' debug log of a handshake: the replication password in base64.
+        ("> Authorization: Basic OnMzY3ItdA==", "> Authorization: Basic ***"),
+        ("{'authorization': 'Bearer T0K'}", "{'authorization': 'Bearer ***'}"),
+        ("(b'authorization', b'Basic OnMz')", "(b'authorization', b'Basic ***')"),
     ],
 )
 def test_redact_hides_passwords_and_secret_parameters(text: str, shown: str) -> None:
@@ -84,6 +88,7 @@ def test_redact_hides_passwords_and_secret_parameters(text: str, shown: str) -> 
         "postgresql://postgres@127.0.0.1:5432/app",
         "ws://127.0.0.1:4849/replication/v6/changes?id=a&replicaVersion=01&watermark=0a",
         "adding subscriber vs-1 at 0a",
+        "changestreamer status: unauthorized (HTTP 401): the admin password was rejected",
         "flow control waiting for a majority of subscribers: {'elapsedMs': 1200}",
     ],
 )
