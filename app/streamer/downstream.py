@@ -239,6 +239,10 @@ class Downstream:
         self._large.clear()
         self._allowance = 0
         self._wakeup.set()
+        # Drop the listeners: each refers back to its subscriber, which refers to
+        # this channel, and a cycle waits for a full collector pass (rare with
+        # app/runtime/gc_tuning.py's thresholds) to free the subscriber's buffers.
+        self._on_consumed = None
         callbacks, self._on_close = self._on_close, []
         for callback in callbacks:
             callback()

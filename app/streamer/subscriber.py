@@ -346,5 +346,8 @@ class Subscriber:
         self._drain_bytes = 0
         self._room.set()
         self._maybe_open_gate(force=True)
-        if self._drain_task is not None and not self._drain_task.done():
-            self._drain_task.cancel()
+        # Let go of the task too: a cancelled one keeps its CancelledError, whose
+        # traceback holds the drain's frame and so this subscriber, in a cycle.
+        drain, self._drain_task = self._drain_task, None
+        if drain is not None and not drain.done():
+            drain.cancel()
