@@ -205,6 +205,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if paused:
             self.transport.resume_reading()
         super().handle_websocket_upgrade()
+        # The websocket protocol has the connection now and this one hears nothing
+        # more (uvicorn drops its parser only in connection_lost, which goes to the
+        # new protocol): the parser refers back to this protocol, and the cycle
+        # would wait for a full collector pass.
+        self.parser = None  # type: ignore[assignment]
 
     # -- internals ----------------------------------------------------------
 

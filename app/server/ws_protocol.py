@@ -276,6 +276,24 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         else:
             self.transport.abort()
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        # Nothing arrives any more: break the reference cycles that would keep the
+        # connection's objects (parser, queues, buffers, handshake) until a full
+        # collector pass, rare with app/runtime/gc_tuning.py's thresholds (issue 25:
+        # a flood's connections stayed after they closed).
+        # - websockets' parser is a generator that never returns (it stops at a
+        #   last yield) and holds its connection;
+        # - the protocol, its scope and its DirectSocket refer to each other, and
+        #   the app's sender reaches the socket through ``on_acks``.
+        self.conn.parser.close()
+        direct, self.direct = self.direct, None
+        if direct is not None:
+            direct.on_acks = None
+            scope = getattr(self, "scope", None)
+            if scope is not None:
+                (scope.get("extensions") or {}).pop(DIRECT, None)
+
     def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)
         scope = getattr(self, "scope", None)
