@@ -21,7 +21,6 @@ that closes before ``start-subscription`` cancels its reservation.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +36,13 @@ from app.protocol.envelope import (
     envelope_from_value,
 )
 from app.protocol.lexi import InvalidWatermarkError, parse_state_version
-from app.server.transport import Outbound, ProtocolViolation, receive_frame, run_until_done
+from app.server.transport import (
+    Outbound,
+    ProtocolViolation,
+    receive_frame,
+    run_until_done,
+    settle,
+)
 from app.streamer.downstream import Downstream
 from app.streamer.reservations import (
     BackupsNotConfiguredError,
@@ -101,11 +106,12 @@ class Session:
                 name="v7",
             )
         finally:
-            for task in (self._relay, self._sender):
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
+            tasks = [t for t in (self._relay, self._sender) if t is not None]
+            for task in tasks:
+                task.cancel()
+            await settle(tasks)
+            # Each task's frame refers to this session: no cycle through a kept one.
+            self._relay = self._sender = None
 
     def _end(self, reason: str) -> None:
         self._ending = True

@@ -23,9 +23,9 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import cast
+from typing import Any, cast
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -283,14 +283,30 @@ async def run_until_done(
             _, pending = await asyncio.wait(pending, timeout=SENDER_GRACE_S)
         for task in pending:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await settle(tasks)
         try:
             await within(close(websocket, violation, plain_close), CLOSE_TIMEOUT_S)
         except TimeoutError:
             log.info("stream %s: the client does not read; aborting the connection", name)
             abort(websocket)
+
+
+async def settle(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Waits until ``tasks`` are done and takes their outcomes, without raising them.
+
+    Not ``await task`` under ``suppress``: a task's exception raised again here
+    gets this frame in its traceback while the task keeps it, and the frame's
+    locals (the tasks, the socket, the channel) then form a cycle that only a full
+    collector pass frees, rare in ``serve`` (app/runtime/gc_tuning.py): every
+    connection that ended with an error stayed in memory with its buffers. A
+    cancellation of the caller meanwhile ends the wait, as ``suppress`` did."""
+    pending = [t for t in tasks if not t.done()]
+    if pending:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait(pending)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: not logged as never retrieved
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
