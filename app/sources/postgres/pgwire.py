@@ -200,7 +200,7 @@ class Keepalives:
     idle_s: int = 60
     interval_s: int = 10
     count: int = 6
-    user_timeout_ms: int | None = None  # seconds, a count, then milliseconds
+    user_timeout_ms: int | None = None  # tcp_user_timeout; None: the system's
 
 
 @dataclass(frozen=True, slots=True)

@@ -501,16 +501,21 @@ async def test_a_server_that_refuses_the_login_says_why_in_one_line(db_url: str)
     assert info.value.sqlstate == "3D000"
 
 
+def first_then_the_real_server(db_url: str, port: int) -> str:
+    """``db_url`` with two hosts: 127.0.0.1 at ``port`` first, then the real server."""
+    params = conninfo_to_dict(db_url)
+    return make_conninfo(
+        db_url, host=f"127.0.0.1,{params['host']}", port=f"{port},{params['port']}"
+    )
+
+
 async def test_an_unreachable_host_is_one_line_and_the_next_host_is_tried(db_url: str) -> None:
     port = unused_port()
     with pytest.raises(
         ConnectError, match=rf'^connection to server at "127.0.0.1", port {port} failed'
     ):
         await ReplicationConnection.connect(f"host=127.0.0.1 port={port} user=postgres")
-    params = conninfo_to_dict(db_url)
-    conninfo = make_conninfo(
-        db_url, host=f"127.0.0.1,{params['host']}", port=f"{port},{params['port']}"
-    )
+    conninfo = first_then_the_real_server(db_url, port)
     conn = await ReplicationConnection.connect(conninfo)
     await conn.close()
 
@@ -638,10 +643,7 @@ async def test_a_malformed_startup_message_fails_that_host_and_the_next_is_tried
     async with fake_server(garbage) as (port, _):
         with pytest.raises(ConnectError, match="malformed 'R' message from the server"):
             await ReplicationConnection.connect(f"host=127.0.0.1 port={port} user=x")
-        params = conninfo_to_dict(db_url)
-        conninfo = make_conninfo(
-            db_url, host=f"127.0.0.1,{params['host']}", port=f"{port},{params['port']}"
-        )
+        conninfo = first_then_the_real_server(db_url, port)
         conn = await ReplicationConnection.connect(conninfo)
         await conn.close()
 
@@ -651,10 +653,7 @@ async def test_each_host_has_its_own_connect_timeout(db_url: str) -> None:
         await inbox.until_gone()  # says nothing, until the client leaves
 
     async with fake_server(silent) as (port, _):
-        params = conninfo_to_dict(db_url)
-        conninfo = make_conninfo(
-            db_url, host=f"127.0.0.1,{params['host']}", port=f"{port},{params['port']}"
-        )
+        conninfo = first_then_the_real_server(db_url, port)
         # The first host takes the whole wait; the second still gets one of its own.
         conn = await ReplicationConnection.connect(conninfo, timeout_s=0.5)
         await conn.close()
