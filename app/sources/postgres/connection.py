@@ -160,7 +160,8 @@ class BackendMessages:
                     kind, length = _HEADER.unpack_from(data, pos)
                     pos += _HEADER.size
                 size = length - 4
-                if not 0 <= size <= _max_size(kind):
+                limit = _MAX_MESSAGE_BYTES if kind == _COPY_DATA else _max_size(kind)
+                if not 0 <= size <= limit:  # (no call for the stream's own frames)
                     raise ProtocolViolation(f"invalid message length {length} (type {kind:#x})")
                 if n - pos >= size:  # the whole message is in this read
                     self._push(kind, view[pos : pos + size], size)
