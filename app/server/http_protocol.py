@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -41,6 +40,7 @@ from typing import Any, Final
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.server.admission import HandshakeAdmission
+from app.server.log_lines import RefusalLog
 
 __all__ = [
     "MAX_REQUEST_HEAD_BYTES",
@@ -67,36 +67,6 @@ _REASONS: Final = {
 REFUSAL_LOG_INTERVAL_S: Final = 10.0
 
 
-class _RefusalLog:
-    """The first refusal of each status logged at once; later ones counted and
-    logged as one line when the interval has passed (at the next refusal)."""
-
-    def __init__(self) -> None:
-        self._logged: set[int] = set()
-        self._counts: Counter[int] = Counter()
-        self._since = time.monotonic()
-
-    def refused(self, status: int, client: str, why: str) -> None:
-        if status not in self._logged:
-            self._logged.add(status)
-            log.info("refused a connection from %s: %d (%s)", client, status, why)
-            return
-        self._counts[status] += 1
-        now = time.monotonic()
-        if now - self._since >= REFUSAL_LOG_INTERVAL_S:
-            counts = ", ".join(f"{n} × {code}" for code, n in sorted(self._counts.items()))
-            log.info(
-                "refused %s more connections in %.0f s (last from %s: %d, %s)",
-                counts,
-                now - self._since,
-                client,
-                status,
-                why,
-            )
-            self._counts.clear()
-            self._since = now
-
-
 @dataclass
 class PendingLimits:
     """The bounds, and the count of pending connections they share (one per server)."""
@@ -105,7 +75,9 @@ class PendingLimits:
     timeout_s: float
     admission: HandshakeAdmission
     pending: int = 0
-    refusals: _RefusalLog = field(default_factory=_RefusalLog)
+    refusals: RefusalLog = field(
+        default_factory=lambda: RefusalLog("connection", log, REFUSAL_LOG_INTERVAL_S)
+    )
     # By status, since start; every status this module answers with is there from the
     # start at 0, so a rate() over /metrics sees the first refusal too.
     refused: Counter[int] = field(default_factory=lambda: Counter(dict.fromkeys(_REASONS, 0)))

@@ -30,13 +30,13 @@ import binascii
 import hashlib
 import hmac
 import logging
-import time
-from collections import Counter
 from collections.abc import Iterable
 from typing import Final
 from urllib.parse import unquote
 
 from starlette.types import Scope
+
+from app.server.log_lines import RefusalLog
 
 __all__ = ["REFUSAL_LOG_INTERVAL_S", "Refusal", "ReplicationAccess", "normalize_origin"]
 
@@ -59,37 +59,6 @@ def normalize_origin(origin: str) -> str:
     return origin.strip().rstrip("/").lower()
 
 
-class _RefusalLog:
-    """The first refusal of each status logged at once; later ones counted and
-    logged as one line once the interval has passed (at the next refusal)."""
-
-    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
-        self._interval_s = interval_s
-        self._logged: set[int] = set()
-        self._counts: Counter[int] = Counter()
-        self._since = time.monotonic()
-
-    def refused(self, status: int, client: str, why: str) -> None:
-        if status not in self._logged:
-            self._logged.add(status)
-            log.info("refused a replication upgrade from %s: %d (%s)", client, status, why)
-            return
-        self._counts[status] += 1
-        now = time.monotonic()
-        if now - self._since >= self._interval_s:
-            counts = ", ".join(f"{n} × {code}" for code, n in sorted(self._counts.items()))
-            log.info(
-                "refused %s more replication upgrades in %.0f s (last from %s: %d, %s)",
-                counts,
-                now - self._since,
-                client,
-                status,
-                why,
-            )
-            self._counts.clear()
-            self._since = now
-
-
 def _digest(value: str) -> bytes:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
 
@@ -106,7 +75,7 @@ class ReplicationAccess:
     ) -> None:
         self._origins = frozenset(normalize_origin(o) for o in allowed_origins if o.strip())
         self._password = _digest(password) if password else None
-        self._log = _RefusalLog(log_interval_s)
+        self._log = RefusalLog("replication upgrade", log, log_interval_s)
 
     def check(self, scope: Scope) -> Refusal | None:
         """None if the upgrade may proceed; else the refusal (already logged)."""

@@ -311,6 +311,11 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
                 self.transport.write(encode_text_frames([text]))
                 return
         await super().send(message)
+        if message["type"] == "websocket.http.response.body" and self.close_sent:
+            # The upgrade was answered with an HTTP response (a refusal), which ends
+            # the handshake; uvicorn leaves the flag unset and so logged "ASGI
+            # callable returned without completing handshake" at ERROR for each one.
+            self.handshake_complete = True
 
     def send_receive_event_to_app(self) -> None:
         # A text message that is not UTF-8 is the client's protocol error (1007), as

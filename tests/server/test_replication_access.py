@@ -34,6 +34,8 @@ from app.client.subscription import SubscriptionContext
 from app.client.tail import run_tail
 from app.protocol.canonical_json import dumps, loads
 from app.runtime.held_reservation import HeldReservation
+from app.server.log_lines import limit_lines
+from app.server.replication_access import ReplicationAccess
 from tests.waiting import eventually
 
 from .conftest import Server, start_server
@@ -79,13 +81,35 @@ async def test_no_origin_and_an_allowed_origin_are_accepted(server: Server, path
 async def test_refusals_are_logged_at_info_and_bounded(
     server: Server, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, "app.server.replication_access")
+    caplog.set_level(logging.INFO)
+    limit_lines()  # as serve installs it
     for _ in range(20):
         assert await status_of(server.url + CHANGES, {"Origin": "https://evil.example"}) == 403
-    lines = [r for r in caplog.records if r.name == "app.server.replication_access"]
-    assert len(lines) == 1, [r.getMessage() for r in lines]
+    # The refusals are this one line: uvicorn logs neither an access line for each
+    # one nor "ASGI callable returned without completing handshake" at ERROR.
+    lines = [r for r in caplog.records if r.name.startswith(("app.server", "uvicorn"))]
+    assert len(lines) == 1, [(r.name, r.getMessage()) for r in lines]
+    assert lines[0].name == "app.server.replication_access"
     assert lines[0].levelno == logging.INFO
     assert "'https://evil.example' is not allowed" in lines[0].getMessage()
+
+
+def test_later_refusals_are_one_summary_line_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "app.server.replication_access")
+    access = ReplicationAccess(password="pw", log_interval_s=0.0)
+    scope = {"client": ("127.0.0.1", 5), "headers": [(b"origin", b"https://evil.example")]}
+    for _ in range(3):
+        assert access.check(scope) is not None
+    assert access.check({"client": ("127.0.0.1", 6), "headers": []}) is not None
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == (
+        "refused a replication upgrade from 127.0.0.1:5: 403 "
+        "(origin 'https://evil.example' is not allowed)"
+    )
+    assert lines[1].startswith("refused 1 × 403 more replication upgrades in 0 s")
+    assert lines[2].startswith("refused 1 × 403 more replication upgrades in 0 s")
+    assert lines[3].startswith("refused a replication upgrade from 127.0.0.1:6: 401")
+    assert len(lines) == 4
 
 
 @pytest.fixture
