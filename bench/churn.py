@@ -44,6 +44,20 @@ def tree_rss_mib(pid: int) -> int:
     return sum(rss_kib(p) for p in process_tree(pid)) // 1024
 
 
+def rss_by_process_mib(pid: int) -> dict[str, int]:
+    """Each process of the tree (``pid: command``) and its RSS, to say which grew."""
+    out = {}
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        name = " ".join(a.decode(errors="replace").rsplit("/", 1)[-1] for a in argv[:3] if a)
+        out[f"{p}: {name}"] = rss_kib(p) // 1024
+    return out
+
+
 async def steady_rate(
     port: int, replica_version: str, stop: asyncio.Event, sink: list[float]
 ) -> None:
@@ -187,6 +201,7 @@ async def run(
     churn = window_rate(samples, t1, time.monotonic())
     opened, served = (int(x) for x in out.split())
     rss_before = tree_rss_mib(proc.pid)
+    by_process_before = rss_by_process_mib(proc.pid)
     flooder = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
@@ -211,6 +226,7 @@ async def run(
     await flooder.wait()
     await asyncio.sleep(12)  # past serve's next malloc_trim (every 10 s)
     rss_after = tree_rss_mib(proc.pid)
+    by_process_after = rss_by_process_mib(proc.pid)
     stop.set()
     await steady
     metrics = await asyncio.to_thread(connection_metrics, port)
@@ -225,6 +241,8 @@ async def run(
         "rss_before_flood_mib": rss_before,
         "rss_flood_open_mib": rss_open,
         "rss_after_flood_mib": rss_after,
+        "rss_by_process_before_flood_mib": by_process_before,
+        "rss_by_process_after_flood_mib": by_process_after,
         **metrics,
     }
 

@@ -42,6 +42,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from app.progress import Job, ProgressView
 from app.protocol.canonical_json import loads
@@ -279,6 +280,9 @@ class Storer:
     def catchup(self, sub: Subscriber, mode: Mode) -> None:
         """Catches ``sub`` up to the stream position of this very call (see module doc)."""
         request = _Catchup(sub, mode, self._timers.monotonic())
+        # A backlog that passes its hard bound is dropped; the next round reads it.
+        # (Without ``sub`` in it: a cycle would keep a closed subscriber for the GC.)
+        sub.catch_up_again = partial(self.catchup, mode=mode)
         if self._enqueued_in_tx or self._until_owned:
             self._parked.append(request)
         else:

@@ -9,6 +9,16 @@ filter (``select_live``: ``watermark <= self.watermark ⇒ drop``, plus the tags
 protocol version does not know), which is what makes the catch-up → live handoff
 duplicate-free.
 
+The gate bounds the backlog only where flow control waits on it: not for a
+subscriber that has acked nothing yet (one still waiting for a catch-up slot, or
+one that never reads), nor once a consensus timeout went on without it. So the
+backlog also has a hard bound (twice high water, or ``max_backlog_changes``
+changes: each costs the subscriber a slot even though the change is shared).
+Past it the backlog is dropped and the subscriber takes no more live changes;
+when its catch-up round ends it starts another, from its watermark to the
+stream's position then, with a fresh backlog (``catch_up_again``, set by the
+storer): what was dropped is read from the change log, which holds all of it.
+
 ``acked`` advances only when a *commit* message is consumed (acked by the
 client); it is the subscriber's durable position and feeds the purge floor.
 """
@@ -35,6 +45,9 @@ Mode = Literal["serving", "backup"]
 
 BACKLOG_HIGH_WATER = 16 * 1024 * 1024
 BACKLOG_LOW_WATER_FRACTION = 0.8
+# The backlog's hard bound: this times high water in bytes, or this many changes.
+BACKLOG_MAX_FACTOR = 2
+BACKLOG_MAX_CHANGES = 16_384
 # The backlog is emitted in chunks of about this many bytes.
 DRAIN_CHUNK_BYTES = 256 * 1024
 # A closing error is delivered in-band first; a client that does not ack it within
@@ -119,6 +132,7 @@ class Subscriber:
         downstream: Downstream,
         latest_lag_report: Callable[[], dict[str, object] | None],
         high_water: int = BACKLOG_HIGH_WATER,
+        max_backlog_changes: int = BACKLOG_MAX_CHANGES,
         task_id: str | None = None,
     ) -> None:
         self.id = id
@@ -136,8 +150,16 @@ class Subscriber:
         self._unsupported = frozenset(t for t, v in _MIN_VERSION.items() if protocol_version < v)
         self._high_water = high_water
         self._low_water = int(high_water * BACKLOG_LOW_WATER_FRACTION)
+        self._max_backlog_bytes = high_water * BACKLOG_MAX_FACTOR
+        self._max_backlog_changes = max_backlog_changes
         self._backlog: deque[Change] | None = deque()
         self._backlog_bytes = 0
+        # The backlog passed its hard bound: live changes are not kept until the
+        # next catch-up round (``catch_up_again``) reads them from the change log.
+        self._backlog_dropped = False
+        self.backlog_drops = 0
+        # Starts another catch-up round to the stream's position (the storer sets it).
+        self.catch_up_again: Callable[[Subscriber], None] | None = None
         self._drain_bytes = 0  # drained from the backlog, not yet consumed
         self._gate: asyncio.Future[Any] | None = None
         self._drain_task: asyncio.Task[None] | None = None
@@ -197,6 +219,8 @@ class Subscriber:
         backlog = self._backlog
         if backlog is None:
             return self._emit(changes, track=track)
+        if self._backlog_dropped:
+            return None
         watermark = self.watermark
         size = 0
         for change in changes:
@@ -204,6 +228,11 @@ class Subscriber:
                 backlog.append(change)
                 size += len(change.json)
         self._backlog_bytes += size
+        if self._backlog_bytes >= self._max_backlog_bytes or (
+            len(backlog) > self._max_backlog_changes
+        ):
+            self._drop_backlog()
+            return None
         if self.buffered_bytes < self._high_water:
             return None
         if self._gate is None:
@@ -251,9 +280,34 @@ class Subscriber:
             while self._drain_bytes >= self._high_water and not self._closed:
                 self._room.clear()
                 await self._room.wait()
-        if not self._closed:
-            self._backlog = None
-            self._maybe_open_gate(force=True)
+        if self._closed:
+            return
+        if self._backlog_dropped:  # what it dropped is in the change log: read it
+            self._backlog_dropped = False
+            self._drain_task = None
+            self.catchup_from = self.watermark
+            if self.catch_up_again is not None:
+                self.catch_up_again(self)  # its bound is now, and the backlog collects from now
+            return
+        self._backlog = None
+        self._maybe_open_gate(force=True)
+
+    def _drop_backlog(self) -> None:
+        backlog = self._backlog
+        assert backlog is not None
+        log.info(
+            "subscriber %s: its catch-up backlog passed %d changes or %d bytes; "
+            "it reads them from the change log after this catch-up round",
+            self.id,
+            self._max_backlog_changes,
+            self._max_backlog_bytes,
+            extra=self.log_extra,
+        )
+        backlog.clear()
+        self._backlog_bytes = 0
+        self._backlog_dropped = True
+        self.backlog_drops += 1
+        self._maybe_open_gate(force=True)  # nothing is held for it now
 
     def _drained(self, size: int, _consumed: asyncio.Future[bool]) -> None:
         self._drain_bytes -= size

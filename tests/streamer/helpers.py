@@ -16,6 +16,7 @@ def make_sub(
     mode: Mode = "serving",
     version: int = 6,
     high_water: int = 16 * 1024 * 1024,
+    max_backlog_changes: int = 16_384,
 ) -> tuple[Subscriber, Downstream]:
     ds = Downstream()
     sub = Subscriber(
@@ -26,6 +27,7 @@ def make_sub(
         downstream=ds,
         latest_lag_report=lambda: None,
         high_water=high_water,
+        max_backlog_changes=max_backlog_changes,
     )
     return sub, ds
 

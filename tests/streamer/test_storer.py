@@ -314,6 +314,34 @@ async def test_catch_up_parked_in_a_transaction_is_served_when_it_ends_without_c
     assert msgs[-1] == ["commit", {"tag": "commit"}, {"watermark": "02"}]
 
 
+async def test_a_backlog_past_its_bound_is_read_from_the_log_in_another_round(
+    harness: Harness,
+) -> None:
+    """A catching-up subscriber keeps at most its bound of live changes (flow
+    control does not wait on one that has acked nothing yet, so the gate does not
+    bound it); it reads what it dropped from the change log in another round:
+    every transaction once, in order, and then it is live."""
+    harness.feed(txn("02") + txn("03"))
+    sub, ds = make_sub("01", max_backlog_changes=8)
+    harness.storer.catchup(sub, "serving")
+    most = 0
+    for i in range(4, 40):
+        for entry in txn(f"{i:02d}"):
+            live = change(entry)
+            sub.send([live])  # forwarded, then handed to the storer, as the service does
+            harness.storer.append([live])
+            most = max(most, sub.backlog_size)
+    assert most <= 8
+    assert sub.backlog_drops == 1
+    msgs = await collect(ds, 1 + 38 * 3)
+    commits = [m[2]["watermark"] for m in msgs if m[0] == "commit"]  # type: ignore[index]
+    assert commits == [f"{i:02d}" for i in range(2, 40)]
+    await eventually(lambda: not sub.backlogged, "the subscriber is live")
+    for entry in txn("40"):
+        sub.send([change(entry)])
+    assert (await collect(ds, 3))[-1] == ["commit", {"tag": "commit"}, {"watermark": "40"}]
+
+
 async def test_catch_up_does_not_include_later_transactions(harness: Harness) -> None:
     harness.feed(txn("02"))
     _sub, ds = subscribe(harness, "01")

@@ -95,9 +95,31 @@ async def test_a_full_backlog_returns_a_gate_that_opens_at_low_water() -> None:
     assert gate.done()
 
 
+async def test_a_backlog_past_its_hard_bound_is_dropped_and_releases_its_gate() -> None:
+    """The gate bounds a backlog only where flow control waits on it; past twice
+    high water (or its count of changes) the backlog is dropped instead, for the
+    next catch-up round to read from the change log."""
+    sub, _ = make_sub("01", high_water=1000, max_backlog_changes=50)
+    big = Change("02", "insert", '["data","' + "x" * 600 + '"]')
+    gate = sub.send([big, big])
+    assert gate is not None
+    assert not gate.done()
+    assert sub.send([big, big]) is None  # 2,400 bytes: past 2,000
+    await settle()
+    assert gate.done()
+    assert (sub.backlog_size, sub.buffered_bytes, sub.backlog_drops) == (0, 0, 1)
+    assert sub.send([big]) is None  # kept out until the next round
+    assert sub.backlog_size == 0
+    small, _ = make_sub("01", max_backlog_changes=50)
+    for change in tx("02", 60):  # 62 changes of a few bytes
+        small.send([change])
+        assert small.backlog_size <= 50
+    assert small.backlog_drops == 1
+
+
 async def test_closing_releases_the_backlog_gate() -> None:
     sub, ds = make_sub("01", high_water=100)
-    gate = sub.send([Change("02", "insert", '["data",' + '"' + "y" * 200 + '"]')])
+    gate = sub.send([Change("02", "insert", '["data",' + '"' + "y" * 140 + '"]')])
     assert gate is not None
     sub.close()
     await settle()
