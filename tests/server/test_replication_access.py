@@ -30,6 +30,7 @@ from app.client.credentials import (
     PasswordFileError,
     replication_password,
 )
+from app.client.errors import UnauthorizedError
 from app.client.subscription import SubscriptionContext
 from app.client.tail import run_tail
 from app.protocol.canonical_json import dumps, loads
@@ -154,6 +155,29 @@ async def test_our_client_sends_the_password(guarded: Server, version: int) -> N
         await ChangeStreamerClient(guarded.url, protocol_version=version).subscribe(ctx)
     assert "s3cr-t" not in repr(client.base)
     assert "s3cr-t" not in str(client.base)
+
+
+@pytest.mark.parametrize("version", [6, 7])
+@pytest.mark.parametrize("password", [None, "wrong-pw"])
+async def test_a_refused_password_is_one_final_line_without_the_password(
+    guarded: Server, version: int, password: str | None
+) -> None:
+    client = ChangeStreamerClient(guarded.url, protocol_version=version, password=password)
+    for opening in (client.subscribe(SubscriptionContext("me", "01", "01")),
+                    client.reserve_snapshot("t1")):  # fmt: skip
+        with pytest.raises(UnauthorizedError) as refused:
+            await opening
+        message = str(refused.value)
+        assert refused.value.status == 401
+        assert message.startswith(f"{guarded.url}/replication/v{version}/")  # no user info
+        assert message.endswith(
+            "HTTP 401: the replication password is missing or wrong; "
+            "set CHANGESTREAMER_REPLICATION_PASSWORD or pass --password-file"
+        )
+        assert "\n" not in message
+        assert "wrong-pw" not in message
+        assert "@" not in message
+    assert guarded.service.reservations.open_tasks == []
 
 
 async def test_an_idle_v7_subscribe_socket_is_closed_by_its_deadline(tmp_path: Path) -> None:
