@@ -31,7 +31,8 @@ from app.client.credentials import (
     replication_password,
 )
 from app.client.errors import UnauthorizedError
-from app.client.subscription import SubscriptionContext
+from app.client.resume import ReconnectPolicy, ResumingSubscription
+from app.client.subscription import Subscription, SubscriptionContext
 from app.client.tail import run_tail
 from app.protocol.canonical_json import dumps, loads
 from app.runtime.held_reservation import HeldReservation
@@ -178,6 +179,29 @@ async def test_a_refused_password_is_one_final_line_without_the_password(
         assert "wrong-pw" not in message
         assert "@" not in message
     assert guarded.service.reservations.open_tasks == []
+
+
+@pytest.mark.parametrize("password", [None, "wrong-pw"])
+async def test_a_resuming_subscription_raises_a_refused_password_at_once(
+    guarded: Server, password: str | None
+) -> None:
+    client = ChangeStreamerClient(guarded.url, password=password)
+    attempts: list[SubscriptionContext] = []
+
+    async def counted(ctx: SubscriptionContext) -> Subscription:
+        attempts.append(ctx)
+        return await client.subscribe(ctx)
+
+    # A retry would wait a minute first, far past the bound below.
+    policy = ReconnectPolicy(initial_delay_s=60.0, max_attempts=3)
+    subscription = ResumingSubscription(counted, SubscriptionContext("me", "01", "01"), policy)
+    with pytest.raises(UnauthorizedError, match="HTTP 401"):
+        await asyncio.wait_for(subscription.__anext__(), 5)
+    # Final: the subscription is closed, asking again connects no more.
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(subscription.__anext__(), 5)
+    assert len(attempts) == 1
+    assert subscription.connections == 0
 
 
 async def test_an_idle_v7_subscribe_socket_is_closed_by_its_deadline(tmp_path: Path) -> None:
