@@ -295,7 +295,7 @@ async def test_tail_sends_the_password_from_the_environment_or_a_file(
 ) -> None:
     err = io.StringIO()
     code = await asyncio.to_thread(run_tail, tail_args(guarded.url), io.StringIO(), err)
-    assert code == 1
+    assert code == 2
     assert "401" in err.getvalue()
     assert err.getvalue().count("\n") == 1
     secret = tmp_path / "password"
@@ -312,6 +312,29 @@ async def test_tail_sends_the_password_from_the_environment_or_a_file(
     args = tail_args(guarded.url, "--password-file", str(tmp_path / "missing"))
     assert run_tail(args, io.StringIO(), missing) == 2
     assert missing.getvalue().startswith("changestreamer tail: cannot read --password-file")
+
+
+@pytest.mark.parametrize("password", [None, "wrong-pw"])
+async def test_tail_stops_on_a_refused_password_with_one_line_and_status_2(
+    guarded: Server, tmp_path: Path, password: str | None
+) -> None:
+    extra: tuple[str, ...] = ()
+    if password is not None:
+        (tmp_path / "password").write_text(f"{password}\n")
+        extra = ("--password-file", str(tmp_path / "password"))
+    # Reconnecting would go on for a minute: a retry does not end within the bound.
+    # --replica-version: no probe, the first connection is the resuming subscription's.
+    args = tail_args(guarded.url, "--replica-version", "01", "--give-up-after", "60", *extra)
+    args.limit = 1
+    out, err = io.StringIO(), io.StringIO()
+    code = await asyncio.wait_for(asyncio.to_thread(run_tail, args, out, err), 10)
+    assert (code, out.getvalue()) == (2, "")
+    assert err.getvalue() == (
+        f"changestreamer tail: {guarded.url}/replication/v6/changes answered HTTP 401: "
+        "the replication password is missing or wrong; "
+        "set CHANGESTREAMER_REPLICATION_PASSWORD or pass --password-file\n"
+    )
+    assert "wrong-pw" not in err.getvalue()
 
 
 def test_replicate_reads_its_password_file_or_stops_in_one_line(tmp_path: Path) -> None:
