@@ -13,10 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import functools
 import io
 import logging
-from collections.abc import AsyncIterator
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,9 +39,11 @@ from app.client.resume import ReconnectPolicy, ResumingSubscription
 from app.client.subscription import Subscription, SubscriptionContext
 from app.client.tail import run_tail
 from app.protocol.canonical_json import dumps, loads
+from app.replica.command import run_replicate
 from app.runtime.held_reservation import HeldReservation
 from app.server.log_lines import limit_lines
 from app.server.replication_access import ReplicationAccess
+from tests.replica.conftest import new_replica
 from tests.waiting import eventually
 
 from .conftest import Server, start_server
@@ -335,6 +341,77 @@ async def test_tail_stops_on_a_refused_password_with_one_line_and_status_2(
         "set CHANGESTREAMER_REPLICATION_PASSWORD or pass --password-file\n"
     )
     assert "wrong-pw" not in err.getvalue()
+
+
+@contextlib.contextmanager
+def guarded_on_a_thread(tmp_path: Path) -> Iterator[str]:
+    """The ``guarded`` server on a loop of its own thread; its URL. For a command that
+    runs its own loop on the main thread (replicate: signal handlers need that)."""
+    urls: list[str] = []
+    stops: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+    ready = threading.Event()
+
+    async def serve() -> None:
+        try:
+            stop = asyncio.Event()
+            async for server in start_server(
+                tmp_path, backup_url=BACKUP_URL, replication_password="s3cr-t"
+            ):
+                stops.append((asyncio.get_running_loop(), stop))
+                urls.append(server.url)
+                ready.set()
+                await stop.wait()
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), name="guarded server")
+    thread.start()
+    try:
+        assert ready.wait(30)
+        assert urls, "the guarded server did not start"
+        yield urls[0]
+    finally:
+        for loop, stop in stops:
+            loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+
+@pytest.mark.parametrize("password", [None, "wrong-pw"])
+@pytest.mark.parametrize("replica_exists", [True, False], ids=["subscribing", "restoring"])
+def test_replicate_stops_on_a_refused_password_with_one_line_and_status_2(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    restore_logging: None,
+    replica_exists: bool,
+    password: str | None,
+) -> None:
+    replica = tmp_path / "r.db"
+    if replica_exists:
+        new_replica(replica)
+    extra: tuple[str, ...] = ()
+    if password is not None:
+        (tmp_path / "password").write_text(f"{password}\n")
+        extra = ("--password-file", str(tmp_path / "password"))
+    with guarded_on_a_thread(tmp_path) as url:
+        args = build_parser().parse_args(
+            ["replicate", url, "--replica", str(replica), "--log-level", "warn", *extra]
+        )  # (this process's log also has the server's INFO line about the refusal)
+        # A retry loop would not end by itself: Ctrl-C it after a while (exit status 130).
+        interrupt = threading.Timer(10, os.kill, (os.getpid(), signal.SIGINT))
+        interrupt.start()
+        try:
+            code = run_replicate(args)
+        finally:
+            interrupt.cancel()
+    out, err = capsys.readouterr()
+    endpoint = "changes" if replica_exists else "snapshot"
+    line = (
+        f"changestreamer replicate: {url}/replication/v6/{endpoint} answered HTTP 401: "
+        "the replication password is missing or wrong; "
+        "set CHANGESTREAMER_REPLICATION_PASSWORD or pass --password-file"
+    )
+    assert (code, out, err) == (2, "", line + "\n")
+    assert "wrong-pw" not in err
 
 
 def test_replicate_reads_its_password_file_or_stops_in_one_line(tmp_path: Path) -> None:
