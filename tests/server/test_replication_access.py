@@ -46,7 +46,7 @@ from app.server.replication_access import ReplicationAccess
 from tests.replica.conftest import new_replica
 from tests.waiting import eventually
 
-from .conftest import Server, start_server
+from .conftest import Server, free_port, start_server
 
 BACKUP_URL = "file:///backups/replica"
 CHANGES = "/replication/v6/changes?id=a&replicaVersion=01&watermark=01"
@@ -447,3 +447,38 @@ async def test_a_takeover_reserves_on_a_guarded_owner_with_the_shared_password(
     finally:
         await asyncio.to_thread(held.release)
         starting.cancel()
+
+
+@pytest.mark.parametrize("password", [None, "wrong-pw"])
+async def test_a_takeover_refused_by_a_guarded_owner_warns_that_the_password_must_be_shared(
+    guarded: Server, caplog: pytest.LogCaptureFixture, password: str | None
+) -> None:
+    caplog.set_level(logging.INFO, "app.runtime.held_reservation")
+    address = guarded.url.removeprefix("ws://")
+    refused = HeldReservation(address, "takeover-1", password=password)
+    assert not await asyncio.to_thread(refused.start)
+    assert "takeover-1" not in guarded.service.reservations.open_tasks
+    records = [r for r in caplog.records if r.name == "app.runtime.held_reservation"]
+    assert [(r.levelno, r.getMessage()) for r in records] == [
+        (
+            logging.WARNING,
+            f"no snapshot reservation on the current owner {address}: it refused this "
+            "node's replication password (HTTP 401); the nodes must share one "
+            "CHANGESTREAMER_REPLICATION_PASSWORD",
+        )
+    ]
+
+
+async def test_a_takeover_from_an_owner_that_is_gone_is_only_noted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "app.runtime.held_reservation")
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    assert not await asyncio.to_thread(HeldReservation(address, "takeover-1").start)
+    records = [r for r in caplog.records if r.name == "app.runtime.held_reservation"]
+    assert [r.levelno for r in records] == [logging.INFO]
+    assert (
+        records[0]
+        .getMessage()
+        .startswith(f"no snapshot reservation on the current owner {address}: cannot connect to ")
+    )
