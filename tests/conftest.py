@@ -7,9 +7,14 @@ when it is missing: a missing database is a failed setup, not a passed test.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+from collections.abc import Iterator
 
 import pytest
+
+from app.logs import UVICORN_LOGGERS
 
 PG_URL = os.environ.get(
     "CHANGESTREAMER_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/changestreamer_test"
@@ -19,3 +24,24 @@ PG_URL = os.environ.get(
 @pytest.fixture(scope="session")
 def pg_url() -> str:
     return PG_URL
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """Undoes ``app.logs.configure_logging`` (which a command run in-process calls)."""
+    root = logging.getLogger()
+    handlers, level, hook = list(root.handlers), root.level, sys.excepthook
+    uvicorn = {
+        n: (list(logging.getLogger(n).handlers), logging.getLogger(n).propagate)
+        for n in UVICORN_LOGGERS
+    }
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        sys.excepthook = hook
+        logging.captureWarnings(False)
+        for name, (old, propagate) in uvicorn.items():
+            logging.getLogger(name).handlers[:] = old
+            logging.getLogger(name).propagate = propagate

@@ -371,26 +371,6 @@ async def test_a_v7_session_s_lines_carry_what_its_messages_named(
 # -- processes -------------------------------------------------------------------
 
 
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level, hook = list(root.handlers), root.level, sys.excepthook
-    uvicorn = {
-        n: (list(logging.getLogger(n).handlers), logging.getLogger(n).propagate)
-        for n in UVICORN_LOGGERS
-    }
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-        sys.excepthook = hook
-        logging.captureWarnings(False)
-        for name, (old, propagate) in uvicorn.items():
-            logging.getLogger(name).handlers[:] = old
-            logging.getLogger(name).propagate = propagate
-
-
 def test_configure_logging_leaves_one_handler_and_routes_uvicorn_to_it(
     restore_logging: None,
 ) -> None:

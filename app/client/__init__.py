@@ -29,6 +29,7 @@ from app.client.errors import (
     NoChangeStreamerError,
     ProtocolError,
     StreamTooFarBehindError,
+    UnauthorizedError,
     WatermarkTooOldError,
     WrongReplicaVersionError,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "Subscription",
     "SubscriptionContext",
     "SubscriptionMessage",
+    "UnauthorizedError",
     "V7Connection",
     "V7Message",
     "V7ReservationFollowup",

@@ -23,7 +23,7 @@ import logging
 from typing import Final
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.protocol import Event
 
 from app.client.errors import (
@@ -32,7 +32,9 @@ from app.client.errors import (
     ConnectionLostError,
     InvalidMessageError,
     ProtocolError,
+    UnauthorizedError,
 )
+from app.client.urls import without_userinfo
 from app.protocol.envelope import Envelope, EnvelopeError, ack_frame, parse_envelope
 
 __all__ = [
@@ -48,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # The server pings every 30 s; zero's client allows 3 s on top.
 DEFAULT_LIVENESS_TIMEOUT_S: Final = 33.0
+# Access refusals: a retry gets the same answer (UnauthorizedError is final).
+_REFUSED_STATUSES: Final = frozenset({401, 403})
 # The Node ws client's default maximum message size.
 MAX_MESSAGE_BYTES: Final = 100 * 1024 * 1024
 
@@ -126,7 +130,8 @@ class Channel:
 
     @classmethod
     async def open(cls, url: str, options: ChannelOptions) -> Channel:
-        """Connects; raises :class:`ConnectFailedError` if that is impossible."""
+        """Connects; raises :class:`UnauthorizedError` if the upgrade is answered 401
+        or 403, :class:`ConnectFailedError` if connecting fails otherwise."""
         try:
             ws = await connect(
                 url,
@@ -138,8 +143,13 @@ class Channel:
                 proxy=None,
                 create_connection=_Connection,
             )
+        except InvalidStatus as e:
+            status = e.response.status_code
+            if status in _REFUSED_STATUSES:
+                raise UnauthorizedError(without_userinfo(url), status) from e
+            raise ConnectFailedError(f"cannot connect to {without_userinfo(url)}: {e}") from e
         except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as e:
-            raise ConnectFailedError(f"cannot connect to {url}: {e}") from e
+            raise ConnectFailedError(f"cannot connect to {without_userinfo(url)}: {e}") from e
         assert isinstance(ws, _Connection)
         return cls(ws, url, options)
 

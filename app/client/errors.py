@@ -1,6 +1,6 @@
 """Exceptions raised by the change-streamer client.
 
-Everything derives from :class:`ClientError`. Three families matter to callers:
+Everything derives from :class:`ClientError`. Four families matter to callers:
 
 * :class:`ChangeStreamerError` — the server sent an in-band ``["error", …]``
   message (wire.md §2.3). Terminal: zero's replicator shuts down and restores
@@ -10,12 +10,17 @@ Everything derives from :class:`ClientError`. Three families matter to callers:
 * :class:`ConnectionLostError` — the connection failed or broke (no close
   frame, an unexpected close code, liveness timeout, an unparsable frame, or
   the connection could not be opened at all). Retrying is the normal reaction.
+* :class:`UnauthorizedError` — the upgrade was refused with HTTP 401 (the
+  replication password is missing or wrong) or 403 (access refused). Terminal:
+  retrying gets the same answer, so nothing in the client retries it; the
+  operator has to change a setting.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from app.client.credentials import REPLICATION_PASSWORD_ENV
 from app.protocol.downstream import DownstreamError
 from app.protocol.errors import ErrorType
 
@@ -29,6 +34,7 @@ __all__ = [
     "NoChangeStreamerError",
     "ProtocolError",
     "StreamTooFarBehindError",
+    "UnauthorizedError",
     "WatermarkTooOldError",
     "WrongReplicaVersionError",
     "error_from_message",
@@ -105,6 +111,29 @@ class ConnectionLostError(ClientError):
 
 class ConnectFailedError(ConnectionLostError):
     """The websocket could not be opened (refused, timed out, handshake rejected)."""
+
+
+class UnauthorizedError(ClientError):
+    """The server refused the websocket upgrade with ``status`` 401 or 403.
+
+    ``url`` is the endpoint without user info, so the message (one line: the URL,
+    the status, what to do) never shows the password.
+    """
+
+    def __init__(self, url: str, status: int) -> None:
+        self.url = url
+        self.status = status
+        if status == 401:
+            advice = (
+                "the replication password is missing or wrong; "
+                f"set {REPLICATION_PASSWORD_ENV} or pass --password-file"
+            )
+        else:
+            advice = (
+                "access refused; check the change-streamer's CHANGESTREAMER_ALLOWED_ORIGINS "
+                "and any proxy in between"
+            )
+        super().__init__(f"{url} answered HTTP {status}: {advice}")
 
 
 class InvalidMessageError(ConnectionLostError):

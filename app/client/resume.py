@@ -22,8 +22,10 @@ different server might), so a commit is never yielded twice. A ``status`` is
 yielded at the start of every connection.
 
 Not retried: in-band errors (``ChangeStreamerError``: wrong replica version,
-watermark too old, too far behind) — retrying would get the same answer — and,
-unless ``retry_protocol_errors`` is set, 1002 closes (the request is invalid).
+watermark too old, too far behind) and refused upgrades (``UnauthorizedError``:
+401, a missing or wrong replication password; 403) — retrying would get the same
+answer — and, unless ``retry_protocol_errors`` is set, 1002 closes (the request
+is invalid).
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
-from app.client.errors import ClientError, ConnectionLostError, ProtocolError
+from app.client.errors import (
+    ClientError,
+    ConnectionLostError,
+    ProtocolError,
+    UnauthorizedError,
+)
 from app.client.subscription import Subscription, SubscriptionContext, SubscriptionMessage
 from app.protocol.messages import Begin, Commit, Rollback
 
@@ -211,6 +218,9 @@ class ResumingSubscription:
                 await asyncio.sleep(self._delay(max(self._failures, 1)))
             try:
                 subscription = await self._connect(ctx)
+            except UnauthorizedError:  # a setting to fix: the same answer every time
+                self._closed = True
+                raise
             except ConnectionLostError as e:  # includes ConnectFailedError
                 log.info("cannot subscribe (%s)", e)
                 if self._give_up_after_failure():

@@ -13,6 +13,10 @@ of text, or a table on a terminal). The options are parsed by ``app/cli.py``.
   probe subscription using replica version ``00``: the server rejects it with
   ``current replica version is X (requested 00)`` and tail resubscribes with X.
 * ``--limit N`` stops after N committed transactions.
+* A refused upgrade (HTTP 401: the replication password from
+  ``CHANGESTREAMER_REPLICATION_PASSWORD`` or ``--password-file`` is missing or
+  wrong; 403) is not retried: one line on stderr, exit status 2, as for any other
+  bad setting.
 
 The tail is a real subscriber: it acks each message after printing it, so a
 stalled pipe holds back the server's flow control and change-log purges like
@@ -31,7 +35,7 @@ from typing import TextIO
 
 from app.client.client import ChangeStreamerClient
 from app.client.credentials import PasswordFileError, replication_password
-from app.client.errors import ClientError
+from app.client.errors import ClientError, UnauthorizedError
 from app.client.render import message_printer
 from app.client.resume import ReconnectPolicy
 from app.client.subscription import SubscriptionContext
@@ -55,7 +59,8 @@ async def tail(
 ) -> int:
     """Prints transactions until ``limit`` commits (or forever); returns the exit code.
 
-    Errors are one line on ``err`` (default stderr) and exit code 1; a bad URL is 2.
+    Errors are one line on ``err`` (default stderr) and exit code 1; a bad URL or a
+    refused password (:class:`UnauthorizedError`) is 2.
     ``give_up_after_s`` bounds how long reconnecting may fail before giving up.
     """
     errors = err if err is not None else sys.stderr
@@ -81,6 +86,9 @@ async def tail(
                     commits += 1
                     if limit is not None and commits >= limit:
                         break
+    except UnauthorizedError as e:
+        errors.write(f"changestreamer tail: {e}\n")
+        return 2
     except ClientError as e:
         errors.write(f"changestreamer tail: {e}\n")
         return 1

@@ -9,9 +9,9 @@ are accepted and mean ``ws``/``wss``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
-__all__ = ["BaseURL", "parse_base_url"]
+__all__ = ["BaseURL", "parse_base_url", "without_userinfo"]
 
 _WS_SCHEMES = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}
 _HTTP_SCHEMES = {"ws": "http", "wss": "https"}
@@ -50,6 +50,14 @@ class BaseURL:
 
     def __repr__(self) -> str:
         return f"BaseURL({str(self)!r})"
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` without its user info (``user:password@``) and query: what an error
+    names, so that no credential reaches a terminal or a log."""
+    parts = urlsplit(url)
+    hostport = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, hostport, parts.path, "", ""))
 
 
 def parse_base_url(value: str) -> BaseURL:

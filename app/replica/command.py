@@ -16,6 +16,10 @@ reserving task, ends the reservation. A change-streamer without backups refuses 
 reservation; the command then stops with one line naming the other ways to a replica
 file (a restore from a backup, a copy of the service's replica), exit status 2.
 
+A change-streamer that refuses the replication password (HTTP 401: missing or
+wrong ``CHANGESTREAMER_REPLICATION_PASSWORD`` or ``--password-file``; or 403) stops the
+command at once with that one line, exit status 2, like any other bad setting.
+
 A replica the change-streamer can no longer serve (another replica version, or older
 than its change log) ends the command with exit status 3 and says so: it must be
 copied or restored again. A change the replica cannot apply, or a restore that
@@ -34,7 +38,13 @@ from pathlib import Path
 
 from app.backup.process import check_version
 from app.backup.restore import RestoreError, restore_replica
-from app.client import ChangeStreamerClient, ClientError, ProtocolError, SnapshotFollowup
+from app.client import (
+    ChangeStreamerClient,
+    ClientError,
+    ProtocolError,
+    SnapshotFollowup,
+    UnauthorizedError,
+)
 from app.client.credentials import PasswordFileError, replication_password
 from app.config import SettingsError, load_settings
 from app.logs import configure_logging, final_line
@@ -72,6 +82,9 @@ def run_replicate(args: argparse.Namespace) -> int:
     except _Stop as e:
         final_line(str(e), command="changestreamer replicate")
         return e.code
+    except UnauthorizedError as e:
+        final_line(str(e), command="changestreamer replicate")
+        return 2
     except ResyncRequiredError as e:
         final_line(str(e), command="changestreamer replicate")
         return 3
@@ -161,6 +174,8 @@ async def _restore(
             f'".backup {replica}"), then start replicate again',
             2,
         ) from None
+    except UnauthorizedError:
+        raise
     except ClientError as e:
         raise _Stop(f"{replica} does not exist and cannot be restored: {e}", 1) from None
     url = backup_url or status.backup_url

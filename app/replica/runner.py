@@ -13,7 +13,10 @@ What ends it with an error instead of a retry:
   :class:`~app.replica.errors.ResyncRequiredError`: the change-streamer cannot serve
   this replica any more; it has to be synced anew (or restored from a newer backup);
 * a change the writer cannot apply → :class:`~app.replica.errors.ReplicaError`
-  (retrying would meet the same change).
+  (retrying would meet the same change);
+* an upgrade refused with 401 or 403 → :class:`~app.client.UnauthorizedError` as it
+  came (the replication password is missing or wrong: a setting to fix, and every
+  retry would get the same answer).
 
 Other in-band errors (a subscriber dropped for lagging) and every connection failure
 are retried, as are 1002 closes (zero's replicator retries those too).
@@ -40,6 +43,7 @@ from app.client import (
     SnapshotFollowup,
     Subscription,
     SubscriptionContext,
+    UnauthorizedError,
     WatermarkTooOldError,
     WrongReplicaVersionError,
 )
@@ -95,6 +99,8 @@ async def run_replicator(
                         f"replica {replica_file} (version {ctx.replica_version}, at "
                         f"{ctx.watermark}) must be re-synced: {e}"
                     ) from e
+                except UnauthorizedError:
+                    raise
                 except ChangeStreamerError as e:
                     log.warning("change-streamer error, resubscribing: %s", e)
                     commits = 0

@@ -6,6 +6,9 @@ replica still has to catch up on until then: while a reservation is open it
 purges nothing. So the reservation lives in a thread with a loop of its own,
 from before the restore until ``release`` — called once this node owns the
 change log (the old owner then stops and closes the socket anyway).
+
+An owner that cannot be reached is the usual case (it is gone) and only noted; an
+owner that refuses the replication password is a misconfiguration, and a warning.
 """
 
 from __future__ import annotations
@@ -61,8 +64,25 @@ class HeldReservation:
         return self._reserved.is_set() and not self._done.is_set()
 
     def _main(self) -> None:
+        from app.client import UnauthorizedError
+        from app.client.credentials import REPLICATION_PASSWORD_ENV
+
         try:
             asyncio.run(self._hold())
+        except UnauthorizedError as e:  # a misconfiguration, not an owner that is gone
+            if e.status == 401:
+                log.warning(
+                    "no snapshot reservation on the current owner %s: it refused this node's "
+                    "replication password (HTTP 401); the nodes must share one %s",
+                    self.address,
+                    REPLICATION_PASSWORD_ENV,
+                )
+            else:
+                log.warning(
+                    "no snapshot reservation on the current owner %s: access refused (HTTP %d)",
+                    self.address,
+                    e.status,
+                )
         except Exception as e:  # an old owner that is gone is the usual case
             log.info("no snapshot reservation on the current owner %s: %s", self.address, e)
         finally:

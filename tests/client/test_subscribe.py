@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from http import HTTPStatus
 
 import pytest
 from websockets.asyncio.server import ServerConnection
+from websockets.http11 import Request, Response
 
 from app.client import (
     ChangeStreamerClient,
@@ -15,6 +18,7 @@ from app.client import (
     ProtocolError,
     Subscription,
     SubscriptionContext,
+    UnauthorizedError,
     WatermarkTooOldError,
     WrongReplicaVersionError,
 )
@@ -266,3 +270,32 @@ async def test_an_unexpected_close_code_raises_connection_lost() -> None:
         with pytest.raises(ConnectionLostError) as e:
             await next_of(sub)
         assert (e.value.code, e.value.reason) == (1011, "boom")
+
+
+def _answer(status: HTTPStatus) -> Callable[[ServerConnection, Request], Response]:
+    def process_request(ws: ServerConnection, request: Request) -> Response:
+        return ws.respond(status, "no\n")
+
+    return process_request
+
+
+@pytest.mark.parametrize("version", [6, 7])
+async def test_a_403_upgrade_raises_unauthorized_with_the_status(version: int) -> None:
+    async with stub_server(_abnormal, process_request=_answer(HTTPStatus.FORBIDDEN)) as stub:
+        url = stub.url.replace("ws://", "ws://zero:pw-403@")
+        client = ChangeStreamerClient(url, protocol_version=version)
+        with pytest.raises(UnauthorizedError) as e:
+            await client.subscribe(ctx())
+    assert e.value.status == 403
+    assert str(e.value).startswith(f"{stub.url}/replication/v{version}/")
+    assert "HTTP 403: access refused" in str(e.value)
+    assert "pw-403" not in str(e.value)
+    assert "zero" not in str(e.value)
+
+
+async def test_another_refused_upgrade_is_a_connect_failure_without_the_password() -> None:
+    async with stub_server(_abnormal, process_request=_answer(HTTPStatus.BAD_GATEWAY)) as stub:
+        client = ChangeStreamerClient(stub.url, password="pw-502")
+        with pytest.raises(ConnectFailedError, match="HTTP 502") as e:
+            await client.subscribe(ctx())
+    assert "pw-502" not in str(e.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.client.render import describe_change
-from app.client.urls import parse_base_url
+from app.client.urls import parse_base_url, without_userinfo
 
 
 @pytest.mark.parametrize(
@@ -27,6 +27,20 @@ def test_query_parameters_are_encoded() -> None:
     assert (
         parse_base_url("ws://h").websocket("/s", {"taskID": "a b&c"}) == "ws://h/s?taskID=a+b%26c"
     )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "ws://zero:s3cr-t@h:4849/replication/v6/changes?id=a",
+        "ws://:s3cr%40t@h:4849/replication/v6/changes",
+        "ws://h:4849/replication/v6/changes",
+    ],
+)
+def test_an_error_names_the_url_without_user_info_or_query(url: str) -> None:
+    assert without_userinfo(url) == "ws://h:4849/replication/v6/changes"
+    base = parse_base_url("ws://zero@h:4849").with_password("p@ss")
+    assert without_userinfo(base.websocket("/x", {"taskID": "t"})) == "ws://h:4849/x"
 
 
 @pytest.mark.parametrize("uri", ["ftp://h", "h:4849", "ws://", ""])

@@ -13,10 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import functools
 import io
 import logging
-from collections.abc import AsyncIterator
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,15 +34,19 @@ from app.client.credentials import (
     PasswordFileError,
     replication_password,
 )
-from app.client.subscription import SubscriptionContext
+from app.client.errors import UnauthorizedError
+from app.client.resume import ReconnectPolicy, ResumingSubscription
+from app.client.subscription import Subscription, SubscriptionContext
 from app.client.tail import run_tail
 from app.protocol.canonical_json import dumps, loads
+from app.replica.command import run_replicate
 from app.runtime.held_reservation import HeldReservation
 from app.server.log_lines import limit_lines
 from app.server.replication_access import ReplicationAccess
+from tests.replica.conftest import new_replica
 from tests.waiting import eventually
 
-from .conftest import Server, start_server
+from .conftest import Server, free_port, start_server
 
 BACKUP_URL = "file:///backups/replica"
 CHANGES = "/replication/v6/changes?id=a&replicaVersion=01&watermark=01"
@@ -156,6 +164,52 @@ async def test_our_client_sends_the_password(guarded: Server, version: int) -> N
     assert "s3cr-t" not in str(client.base)
 
 
+@pytest.mark.parametrize("version", [6, 7])
+@pytest.mark.parametrize("password", [None, "wrong-pw"])
+async def test_a_refused_password_is_one_final_line_without_the_password(
+    guarded: Server, version: int, password: str | None
+) -> None:
+    client = ChangeStreamerClient(guarded.url, protocol_version=version, password=password)
+    for opening in (client.subscribe(SubscriptionContext("me", "01", "01")),
+                    client.reserve_snapshot("t1")):  # fmt: skip
+        with pytest.raises(UnauthorizedError) as refused:
+            await opening
+        message = str(refused.value)
+        assert refused.value.status == 401
+        assert message.startswith(f"{guarded.url}/replication/v{version}/")  # no user info
+        assert message.endswith(
+            "HTTP 401: the replication password is missing or wrong; "
+            "set CHANGESTREAMER_REPLICATION_PASSWORD or pass --password-file"
+        )
+        assert "\n" not in message
+        assert "wrong-pw" not in message
+        assert "@" not in message
+    assert guarded.service.reservations.open_tasks == []
+
+
+@pytest.mark.parametrize("password", [None, "wrong-pw"])
+async def test_a_resuming_subscription_raises_a_refused_password_at_once(
+    guarded: Server, password: str | None
+) -> None:
+    client = ChangeStreamerClient(guarded.url, password=password)
+    attempts: list[SubscriptionContext] = []
+
+    async def counted(ctx: SubscriptionContext) -> Subscription:
+        attempts.append(ctx)
+        return await client.subscribe(ctx)
+
+    # A retry would wait a minute first, far past the bound below.
+    policy = ReconnectPolicy(initial_delay_s=60.0, max_attempts=3)
+    subscription = ResumingSubscription(counted, SubscriptionContext("me", "01", "01"), policy)
+    with pytest.raises(UnauthorizedError, match="HTTP 401"):
+        await asyncio.wait_for(subscription.__anext__(), 5)
+    # Final: the subscription is closed, asking again connects no more.
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(subscription.__anext__(), 5)
+    assert len(attempts) == 1
+    assert subscription.connections == 0
+
+
 async def test_an_idle_v7_subscribe_socket_is_closed_by_its_deadline(tmp_path: Path) -> None:
     async for server in start_server(tmp_path, first_message_timeout_s=0.3):
         async with connect(server.url + SUBSCRIBE) as ws:
@@ -247,7 +301,7 @@ async def test_tail_sends_the_password_from_the_environment_or_a_file(
 ) -> None:
     err = io.StringIO()
     code = await asyncio.to_thread(run_tail, tail_args(guarded.url), io.StringIO(), err)
-    assert code == 1
+    assert code == 2
     assert "401" in err.getvalue()
     assert err.getvalue().count("\n") == 1
     secret = tmp_path / "password"
@@ -264,6 +318,100 @@ async def test_tail_sends_the_password_from_the_environment_or_a_file(
     args = tail_args(guarded.url, "--password-file", str(tmp_path / "missing"))
     assert run_tail(args, io.StringIO(), missing) == 2
     assert missing.getvalue().startswith("changestreamer tail: cannot read --password-file")
+
+
+@pytest.mark.parametrize("password", [None, "wrong-pw"])
+async def test_tail_stops_on_a_refused_password_with_one_line_and_status_2(
+    guarded: Server, tmp_path: Path, password: str | None
+) -> None:
+    extra: tuple[str, ...] = ()
+    if password is not None:
+        (tmp_path / "password").write_text(f"{password}\n")
+        extra = ("--password-file", str(tmp_path / "password"))
+    # Reconnecting would go on for a minute: a retry does not end within the bound.
+    # --replica-version: no probe, the first connection is the resuming subscription's.
+    args = tail_args(guarded.url, "--replica-version", "01", "--give-up-after", "60", *extra)
+    args.limit = 1
+    out, err = io.StringIO(), io.StringIO()
+    code = await asyncio.wait_for(asyncio.to_thread(run_tail, args, out, err), 10)
+    assert (code, out.getvalue()) == (2, "")
+    assert err.getvalue() == (
+        f"changestreamer tail: {guarded.url}/replication/v6/changes answered HTTP 401: "
+        "the replication password is missing or wrong; "
+        "set CHANGESTREAMER_REPLICATION_PASSWORD or pass --password-file\n"
+    )
+    assert "wrong-pw" not in err.getvalue()
+
+
+@contextlib.contextmanager
+def guarded_on_a_thread(tmp_path: Path) -> Iterator[str]:
+    """The ``guarded`` server on a loop of its own thread; its URL. For a command that
+    runs its own loop on the main thread (replicate: signal handlers need that)."""
+    urls: list[str] = []
+    stops: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+    ready = threading.Event()
+
+    async def serve() -> None:
+        try:
+            stop = asyncio.Event()
+            async for server in start_server(
+                tmp_path, backup_url=BACKUP_URL, replication_password="s3cr-t"
+            ):
+                stops.append((asyncio.get_running_loop(), stop))
+                urls.append(server.url)
+                ready.set()
+                await stop.wait()
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), name="guarded server")
+    thread.start()
+    try:
+        assert ready.wait(30)
+        assert urls, "the guarded server did not start"
+        yield urls[0]
+    finally:
+        for loop, stop in stops:
+            loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+
+@pytest.mark.parametrize("password", [None, "wrong-pw"])
+@pytest.mark.parametrize("replica_exists", [True, False], ids=["subscribing", "restoring"])
+def test_replicate_stops_on_a_refused_password_with_one_line_and_status_2(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    restore_logging: None,
+    replica_exists: bool,
+    password: str | None,
+) -> None:
+    replica = tmp_path / "r.db"
+    if replica_exists:
+        new_replica(replica)
+    extra: tuple[str, ...] = ()
+    if password is not None:
+        (tmp_path / "password").write_text(f"{password}\n")
+        extra = ("--password-file", str(tmp_path / "password"))
+    with guarded_on_a_thread(tmp_path) as url:
+        args = build_parser().parse_args(
+            ["replicate", url, "--replica", str(replica), "--log-level", "warn", *extra]
+        )  # (this process's log also has the server's INFO line about the refusal)
+        # A retry loop would not end by itself: Ctrl-C it after a while (exit status 130).
+        interrupt = threading.Timer(10, os.kill, (os.getpid(), signal.SIGINT))
+        interrupt.start()
+        try:
+            code = run_replicate(args)
+        finally:
+            interrupt.cancel()
+    out, err = capsys.readouterr()
+    endpoint = "changes" if replica_exists else "snapshot"
+    line = (
+        f"changestreamer replicate: {url}/replication/v6/{endpoint} answered HTTP 401: "
+        "the replication password is missing or wrong; "
+        "set CHANGESTREAMER_REPLICATION_PASSWORD or pass --password-file"
+    )
+    assert (code, out, err) == (2, "", line + "\n")
+    assert "wrong-pw" not in err
 
 
 def test_replicate_reads_its_password_file_or_stops_in_one_line(tmp_path: Path) -> None:
@@ -299,3 +447,38 @@ async def test_a_takeover_reserves_on_a_guarded_owner_with_the_shared_password(
     finally:
         await asyncio.to_thread(held.release)
         starting.cancel()
+
+
+@pytest.mark.parametrize("password", [None, "wrong-pw"])
+async def test_a_takeover_refused_by_a_guarded_owner_warns_that_the_password_must_be_shared(
+    guarded: Server, caplog: pytest.LogCaptureFixture, password: str | None
+) -> None:
+    caplog.set_level(logging.INFO, "app.runtime.held_reservation")
+    address = guarded.url.removeprefix("ws://")
+    refused = HeldReservation(address, "takeover-1", password=password)
+    assert not await asyncio.to_thread(refused.start)
+    assert "takeover-1" not in guarded.service.reservations.open_tasks
+    records = [r for r in caplog.records if r.name == "app.runtime.held_reservation"]
+    assert [(r.levelno, r.getMessage()) for r in records] == [
+        (
+            logging.WARNING,
+            f"no snapshot reservation on the current owner {address}: it refused this "
+            "node's replication password (HTTP 401); the nodes must share one "
+            "CHANGESTREAMER_REPLICATION_PASSWORD",
+        )
+    ]
+
+
+async def test_a_takeover_from_an_owner_that_is_gone_is_only_noted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "app.runtime.held_reservation")
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    assert not await asyncio.to_thread(HeldReservation(address, "takeover-1").start)
+    records = [r for r in caplog.records if r.name == "app.runtime.held_reservation"]
+    assert [r.levelno for r in records] == [logging.INFO]
+    assert (
+        records[0]
+        .getMessage()
+        .startswith(f"no snapshot reservation on the current owner {address}: cannot connect to ")
+    )
