@@ -397,7 +397,7 @@ def test_replicate_stops_on_a_refused_password_with_one_line_and_status_2(
             ["replicate", url, "--replica", str(replica), "--log-level", "warn", *extra]
         )  # (this process's log also has the server's INFO line about the refusal)
         # A retry loop would not end by itself: Ctrl-C it after a while (exit status 130).
-        interrupt = threading.Timer(10, os.kill, (os.getpid(), signal.SIGINT))
+        interrupt = threading.Timer(30, os.kill, (os.getpid(), signal.SIGINT))
         interrupt.start()
         try:
             code = run_replicate(args)
