@@ -15,7 +15,7 @@ head never disagree.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -155,7 +155,7 @@ class ChangeLog:
         batch_size: int = DEFAULT_READ_BATCH,
         first_batch: int | None = None,
         pieces_over: int | None = None,
-    ) -> AsyncIterator[list[StoredRow]]:
+    ) -> AsyncGenerator[list[StoredRow], None]:
         """Rows with ``from_watermark <= watermark <= up_to`` in ``(watermark, pos)`` order.
 
         Rows are ``(watermark, pos, change, precommit)`` tuples; every change is a

@@ -45,13 +45,16 @@ log = logging.getLogger(__name__)
 PROGRESS_TICK_S = 1.0
 RATE_SAMPLES = 10
 # A subscriber that has acknowledged nothing (not even its status message) this
-# long after joining is dropped; until its first ack it does not hold flow control.
+# long after it was sent its first message is dropped; until its first ack it does
+# not hold flow control. The clock starts at that message, not at joining: waiting
+# for the log to become durable or for a catch-up turn is the service's delay.
 FIRST_ACK_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)
 class _Rate:
-    joined: float = 0.0
+    # When its first message was sent (to a tick), or the join while none was.
+    first_sent: float = 0.0
     samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
 
     def add(self, now: float, processed: int) -> None:
@@ -110,7 +113,7 @@ class Forwarder:
 
     def add(self, sub: Subscriber) -> None:
         (self.queued if self.in_transaction else self.active).add(sub)
-        self._rates[sub] = _Rate(joined=self._timers.monotonic())
+        self._rates[sub] = _Rate(first_sent=self._timers.monotonic())
 
     def remove(self, sub: Subscriber) -> None:
         self.active.discard(sub)
@@ -225,7 +228,9 @@ class Forwarder:
                 continue
             rate = self._rates[sub]
             rate.add(now, sub.processed)
-            if not sub.processed and now - rate.joined >= FIRST_ACK_TIMEOUT_S:
+            if not sub.started:
+                rate.first_sent = now  # nothing sent yet: nothing to ack
+            elif not sub.processed and now - rate.first_sent >= FIRST_ACK_TIMEOUT_S:
                 log.info(
                     "dropping subscriber %s: nothing acknowledged in %.0f s",
                     sub.id,

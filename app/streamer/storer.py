@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -182,9 +182,11 @@ class Storer:
         self._running = False
         self._stopped = asyncio.Event()
         self._catchups: set[asyncio.Task[None]] = set()
-        # Catch-ups reading the log at once; the rest wait their turn (FIFO), so a
-        # crowd of (re)connecting subscribers cannot take the loop from the live
-        # stream, and one that leaves while waiting costs no read at all.
+        # Catch-ups reading a batch of the log at once; the rest wait their turn
+        # (FIFO), so a crowd of (re)connecting subscribers cannot take the loop from
+        # the live stream, and one that leaves while waiting costs no read at all.
+        # A turn is one batch, not a whole catch-up: a subscriber that does not read
+        # what it was sent waits for that outside its turn, so it cannot hold one.
         self._reading = asyncio.Semaphore(max_concurrent_catchups)
         # The last durable transactions, for catch-ups that start among them.
         self._tail = LogTail(tail_bytes)
@@ -547,7 +549,7 @@ class Storer:
     # ------------------------------------------------------------------
     # Catch-up.
 
-    def _batches(self, start: str, up_to: str) -> AsyncIterator[list[StoredRow]]:
+    def _batches(self, start: str, up_to: str) -> AsyncGenerator[list[StoredRow], None]:
         """The log's rows from ``start``'s transaction through ``up_to``, in batches
         that start small and double: from memory while the tail holds them all."""
         first = min(CATCHUP_FIRST_BATCH, self._catchup_batch)
@@ -614,12 +616,11 @@ class Storer:
         start = sub.watermark
         try:
             await self.wait_durable(up_to, sub=sub)
-            async with self._reading:
-                if sub.closed:
-                    return
-                job = Job(f"catch-up of {sub.id}", unit="changes", context=sub.log_fields)
-                request.job = self.progress.add(job)
-                await self._read_for(sub, mode, start, up_to, job)
+            if sub.closed:
+                return
+            job = Job(f"catch-up of {sub.id}", unit="changes", context=sub.log_fields)
+            request.job = self.progress.add(job)
+            await self._read_for(sub, mode, start, up_to, job)
             if not sub.closed:  # read to its end (not refused, not gone)
                 self.catchup_seconds.observe(self._timers.monotonic() - request.started)
         except AutoResetSignal as e:
@@ -646,33 +647,41 @@ class Storer:
         found = start == self._replica_version and self._log.purged_rows == 0
         rows_seen = False
         last: asyncio.Future[bool] | None = None
-        async for batch in self._batches(start, up_to):
-            rows_seen = True
-            if last is not None:
-                await last  # at most two batches in memory
+        async with contextlib.aclosing(self._batches(start, up_to)) as batches:
+            while True:
+                async with self._reading:  # a turn: one batch
+                    if sub.closed:
+                        return
+                    batch = await anext(batches, None)
+                if batch is None:
+                    break
+                rows_seen = True
+                # At most two batches in memory; waited on outside a turn. False:
+                # the subscriber closed (left, or was dropped) meanwhile.
+                if last is not None and not await last:
+                    return
                 last = None
-            if sub.closed:
-                return
-            # The rows of the subscriber's own last transaction come first (the
-            # read starts at it): skipped. Without them the log was purged past it.
-            skip = 0
-            while skip < len(batch) and batch[skip][0] == start:
-                skip += 1
-            found = found or skip > 0
-            if not found and skip < len(batch):
-                watermark = batch[skip][0]
-                # Whatever the mode: zero's storer resets the service for a backup-mode
-                # subscriber here (its own backup replicator), but ours follows the log
-                # in a child process (app.runtime.log_follower, which fails with exit
-                # code 3 on its own), so a backup-mode subscriber comes from the network,
-                # and nothing a client says may stop or reset the service (issue 25).
-                sub.close(
-                    ErrorType.WATERMARK_TOO_OLD,
-                    f"earliest supported watermark is {watermark} (requested {start})",
-                )
-                return
-            last = sub.catchup(_stored_changes(batch[skip:] if skip else batch))
-            _advance(job, len(batch) - skip, start, up_to, batch[-1][0])
+                # The rows of the subscriber's own last transaction come first (the
+                # read starts at it): skipped. Without them the log was purged past it.
+                skip = 0
+                while skip < len(batch) and batch[skip][0] == start:
+                    skip += 1
+                found = found or skip > 0
+                if not found and skip < len(batch):
+                    watermark = batch[skip][0]
+                    # Whatever the mode: zero's storer resets the service for a
+                    # backup-mode subscriber here (its own backup replicator), but ours
+                    # follows the log in a child process (app.runtime.log_follower,
+                    # which fails with exit code 3 on its own), so a backup-mode
+                    # subscriber comes from the network, and nothing a client says may
+                    # stop or reset the service (issue 25).
+                    sub.close(
+                        ErrorType.WATERMARK_TOO_OLD,
+                        f"earliest supported watermark is {watermark} (requested {start})",
+                    )
+                    return
+                last = sub.catchup(_stored_changes(batch[skip:] if skip else batch))
+                _advance(job, len(batch) - skip, start, up_to, batch[-1][0])
         if not found and not rows_seen:
             log.info(
                 "subscriber %s at %s is ahead of the durable change log (%s)",
@@ -704,7 +713,7 @@ def _advance(job: Job, changes: int, start: str, up_to: str, at: str) -> None:
 
 async def _ramped(
     transactions: list[list[StoredRow]], first: int, size: int
-) -> AsyncIterator[list[StoredRow]]:
+) -> AsyncGenerator[list[StoredRow], None]:
     """The transactions' rows in batches as ``ChangeLog.read`` ramps them: ``first``
     rows, then twice as many each time up to ``size``; each batch is built only
     when asked for."""

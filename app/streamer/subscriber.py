@@ -195,6 +195,11 @@ class Subscriber:
         return self._backlog_bytes + self._drain_bytes
 
     @property
+    def started(self) -> bool:
+        """Its first message (the status, or a v1 subscriber's first change) was sent."""
+        return self._initialized
+
+    @property
     def processed(self) -> int:
         return self.downstream.consumed
 

@@ -8,7 +8,7 @@ import pytest
 
 from app.protocol.errors import ErrorType
 from app.streamer.broadcast import Broadcast
-from app.streamer.forwarder import Forwarder
+from app.streamer.forwarder import FIRST_ACK_TIMEOUT_S, Forwarder
 from app.streamer.subscriber import Change, Subscriber
 from app.streamer.timers import ManualTimers
 
@@ -350,3 +350,29 @@ async def test_a_sole_stuck_subscriber_is_dropped_and_no_grace_period_keeps_it()
         assert (sub in fwd.active) is kept
         assert waited.done() is not kept
         fwd.stop_progress_monitor()
+
+
+async def test_the_first_ack_clock_starts_when_the_first_message_is_sent() -> None:
+    """A subscriber still waiting for its catch-up to start (the log to become
+    durable, a catch-up turn) was sent nothing, so it is not dropped for acking
+    nothing; once sent its status, it has FIRST_ACK_TIMEOUT_S to ack it."""
+    timers = ManualTimers()
+    fwd = Forwarder(timers=timers)
+    waiting, ds = make_sub("01", id="waiting")
+    fwd.add(waiting)
+    fwd.start_progress_monitor()
+    for _ in range(3 * int(FIRST_ACK_TIMEOUT_S)):
+        timers.advance(1.0)
+    assert waiting in fwd.active
+    assert not waiting.started
+    waiting.set_caught_up()  # its status goes out now
+    assert waiting.started
+    assert [m[0] for m in drain(ds, ack=False)] == ["status"]  # type: ignore[index]
+    for _ in range(int(FIRST_ACK_TIMEOUT_S) - 1):
+        timers.advance(1.0)
+    assert waiting in fwd.active
+    for _ in range(2):
+        timers.advance(1.0)
+    assert waiting not in fwd.active
+    assert waiting.closed
+    fwd.stop_progress_monitor()

@@ -342,6 +342,32 @@ async def test_a_backlog_past_its_bound_is_read_from_the_log_in_another_round(
     assert (await collect(ds, 3))[-1] == ["commit", {"tag": "commit"}, {"watermark": "40"}]
 
 
+@pytest.mark.parametrize("tail_bytes", [0, 1 << 20], ids=["from-the-log", "from-memory"])
+async def test_a_subscriber_that_does_not_read_holds_no_catch_up_turn(
+    change_db: ChangeDb, tail_bytes: int
+) -> None:
+    """Catch-ups take turns per batch, not per catch-up: one that waits for its
+    subscriber to read the last batch does so outside its turn, so with a single
+    turn another subscriber still catches up (and one that closes is let go)."""
+    h = Harness(change_db, max_concurrent_catchups=1, catchup_batch=4, tail_bytes=tail_bytes)
+    h.start()
+    try:
+        entries = [e for i in range(2, 12) for e in txn(f"{i:02d}")]
+        h.feed(entries)
+        await h.until_durable("11")
+        stuck, stuck_ds = subscribe(h, "01")  # never reads
+        await eventually(lambda: stuck_ds.pushed > 1, "the first batch is sent")
+        _reader, ds = subscribe(h, "01")
+        msgs = await collect(ds, 1 + len(entries))
+        assert msgs[-1] == ["commit", {"tag": "commit"}, {"watermark": "11"}]
+        assert stuck.backlogged
+        assert stuck_ds.pending > 1
+        stuck.close()
+        await eventually(lambda: not h.storer._catchups, "the stuck catch-up ends")
+    finally:
+        await h.close()
+
+
 async def test_catch_up_does_not_include_later_transactions(harness: Harness) -> None:
     harness.feed(txn("02"))
     _sub, ds = subscribe(harness, "01")
