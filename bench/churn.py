@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import subprocess
@@ -82,10 +83,19 @@ async def steady_rate(
         await ws.close()
 
 
+def get(url: str, timeout: float = 10) -> bytes:
+    """The body of ``url``, with the admin password of a ``--heap-window`` run."""
+    request = urllib.request.Request(url)
+    if password := os.environ.get(PASSWORD_ENV):
+        token = base64.b64encode(f":{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return bytes(reply.read())
+
+
 def statz_field(port: int, name: str) -> str:
     url = f"http://127.0.0.1:{port}/statz?format=json&group=replication"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return str(json.loads(reply.read())["replication"][name])
+    return str(json.loads(get(url))["replication"][name])
 
 
 def statz_replica_version(port: int) -> str:
@@ -103,15 +113,15 @@ def window_rate(samples: list[float], start: float, end: float) -> float:
 
 
 CHURNER = """
-import asyncio, json, sys, time, urllib.request
+import asyncio, json, sys, time
+from bench.churn import get
 from bench.pg_subscribers import RawSocket
 port, rv, wm = int(sys.argv[1]), sys.argv[2], sys.argv[5]
 rate, seconds = float(sys.argv[3]), float(sys.argv[4])
 head = [wm]
 def durable():
     url = f"http://127.0.0.1:{port}/statz?format=json&group=replication"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return json.loads(reply.read())["replication"]["durableWatermark"]
+    return json.loads(get(url))["replication"]["durableWatermark"]
 async def follow_head():  # resume where a reconnecting replica would: near the head
     while wm != rv:
         head[0] = await asyncio.to_thread(durable)
@@ -202,6 +212,53 @@ async def run(
     opened, served = (int(x) for x in out.split())
     rss_before = tree_rss_mib(proc.pid)
     by_process_before = rss_by_process_mib(proc.pid)
+    heap = (
+        asyncio.create_task(asyncio.to_thread(heap_window, port, args.heap_window))
+        if args.heap_window
+        else None
+    )
+    floods = [
+        await flood_once(port, proc, replica_version, args, samples, env)
+        for _ in range(args.floods)
+    ]
+    held, rss_open, flood, rss_after = floods[0]
+    by_process_after = rss_by_process_mib(proc.pid)
+    stop.set()
+    await steady
+    metrics = await asyncio.to_thread(connection_metrics, port)
+    if heap is not None:
+        print(await heap, file=sys.stderr)
+    return {
+        "baseline_changes_per_s": round(baseline),
+        "churn_changes_per_s": round(churn),
+        "churn_ratio": round(churn / baseline, 3) if baseline else None,
+        "churn_connections": opened,
+        "churn_served": served,
+        "flood_connections_held": held,
+        "flood_changes_per_s": round(flood),
+        "rss_before_flood_mib": rss_before,
+        "rss_flood_open_mib": rss_open,
+        "rss_after_flood_mib": rss_after,
+        "rss_after_each_flood_mib": [f[3] for f in floods],
+        "rss_by_process_before_flood_mib": by_process_before,
+        "rss_by_process_after_flood_mib": by_process_after,
+        **metrics,
+    }
+
+
+PASSWORD_ENV = "BENCH_CHURN_ADMIN_PASSWORD"
+
+
+async def flood_once(
+    port: int,
+    proc: subprocess.Popen[bytes],
+    replica_version: str,
+    args: argparse.Namespace,
+    samples: list[float],
+    env: dict[str, str],
+) -> tuple[int, int, float, int]:
+    """One flood: connections held, RSS with them open, the steady subscriber's rate
+    meanwhile, and RSS ``--after`` seconds after they all closed."""
     flooder = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
@@ -218,39 +275,25 @@ async def run(
     held = int(await flooder.stdout.readline())
     rss_open = tree_rss_mib(proc.pid)
     t2 = time.monotonic()
-    await asyncio.sleep(min(phase, 5))
-    flood = window_rate(samples, t2, time.monotonic())
+    await asyncio.sleep(min(args.seconds, 5))
+    rate = window_rate(samples, t2, time.monotonic())
     flooder.stdin.write(b"\n")
     await flooder.stdin.drain()
     await flooder.stdout.readline()
     await flooder.wait()
-    await asyncio.sleep(12)  # past serve's next malloc_trim (every 10 s)
-    rss_after = tree_rss_mib(proc.pid)
-    by_process_after = rss_by_process_mib(proc.pid)
-    stop.set()
-    await steady
-    metrics = await asyncio.to_thread(connection_metrics, port)
-    return {
-        "baseline_changes_per_s": round(baseline),
-        "churn_changes_per_s": round(churn),
-        "churn_ratio": round(churn / baseline, 3) if baseline else None,
-        "churn_connections": opened,
-        "churn_served": served,
-        "flood_connections_held": held,
-        "flood_changes_per_s": round(flood),
-        "rss_before_flood_mib": rss_before,
-        "rss_flood_open_mib": rss_open,
-        "rss_after_flood_mib": rss_after,
-        "rss_by_process_before_flood_mib": by_process_before,
-        "rss_by_process_after_flood_mib": by_process_after,
-        **metrics,
-    }
+    await asyncio.sleep(args.after)  # past serve's next malloc_trim (every 10 s)
+    return held, rss_open, rate, tree_rss_mib(proc.pid)
+
+
+def heap_window(port: int, seconds: int) -> str:
+    """``/heapz`` over a tracing window of ``seconds`` from now: what was allocated
+    in it and is still held at its end (a leak's signature)."""
+    return get(f"http://127.0.0.1:{port}/heapz?seconds={seconds}", seconds + 60).decode()
 
 
 def connection_metrics(port: int) -> dict[str, float]:
     """What the connection bounds did over the whole run (/metrics)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        body = reply.read().decode()
+    body = get(f"http://127.0.0.1:{port}/metrics").decode()
     wanted = ("changestreamer_handshakes_held_total", "changestreamer_connections_refused_total")
     return {
         line.split()[0]: float(line.split()[1])
@@ -271,8 +314,22 @@ def main(argv: list[str] | None = None) -> int:
         default="head",
         help="where churning subscribers resume: the log's head, or its start",
     )
+    parser.add_argument("--floods", type=int, default=1, help="floods, one after another")
+    parser.add_argument(
+        "--after", type=float, default=12.0, help="seconds from a flood's end to its RSS"
+    )
+    parser.add_argument(
+        "--heap-window",
+        type=int,
+        default=0,
+        metavar="S",
+        help="trace allocations for S seconds (at most 60) from the flood's start and "
+        "print /heapz to stderr: what the flood allocated and serve still holds",
+    )
     args = parser.parse_args(argv)
     demo = {"CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND": str(args.demo_rate)}
+    if args.heap_window:
+        os.environ[PASSWORD_ENV] = demo["ZERO_ADMIN_PASSWORD"] = "bench-churn"
     with (
         tempfile.TemporaryDirectory(prefix="bch-") as work,
         running_serve(Path(work), demo) as (proc, port),
