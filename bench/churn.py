@@ -14,8 +14,11 @@ raw client, in this process), and measures its data changes per second:
    ``--churn-from start`` at its start; reads its status message, then closes);
 3. ``flood`` — another process holds ``--flood`` connections open at once (beyond
    ``CHANGESTREAMER_MAX_SUBSCRIBERS`` they are refused with a close), then closes
-   them all; the service's RSS (its process tree) before, with them open, and 12 s
-   after they closed.
+   them all; the service's RSS (its process tree) before, with them open, and
+   ``--after`` (12) s after they closed. ``--floods N`` repeats it (a leak grows
+   with each; a high-water mark does not); ``--heap-window S`` prints serve's
+   ``/heapz`` over S seconds from the first flood's start (what it allocated and
+   serve still holds) to stderr.
 
 Loopback only; every process it starts is stopped by its PID.
 """

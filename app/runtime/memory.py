@@ -15,11 +15,14 @@ afterwards (the SQLite writer, the replica follower) the same setting at their
 start.
 
 Small blocks still come from the heap, and what a crowd of connections left there
-stays after they closed (``bench.churn``'s flood: +110 MiB after 2,000 connections
-came and went). ``trim_periodically`` calls ``malloc_trim(0)`` every
-``TRIM_INTERVAL_S`` in a worker thread (ctypes releases the GIL; the loop goes on),
-which gives the free pages inside the heap back as well. Elsewhere than glibc all
-of this does nothing.
+stayed after they closed (``bench.churn``'s flood: +110 MiB after 2,000 connections
+came and went; the heap now returns to its size). ``trim_periodically`` calls
+``malloc_trim(0)`` every ``TRIM_INTERVAL_S`` in a worker thread (ctypes releases
+the GIL; the loop goes on), which gives the free pages inside the heap back as
+well. Elsewhere than glibc all of this does nothing. Python's own small-object
+arenas are not glibc's: what a flood leaves there (docs/reliability.md, "Churn and
+floods") is free space an arena keeps while one live object is in it, and a later
+flood reuses it.
 """
 
 from __future__ import annotations
