@@ -404,6 +404,7 @@ class PostgresChangeStream(ChangeStream):
                 log.error("unable to continue replication from %s: %s", format_lsn(wal_start), e)
                 return self._reset
             if rows is not None:
+                self._account(rows)  # as every other row change is (issue 26)
                 return rows
         return await self._frame_messages(memoryview(b"".join(chunks)))
 
@@ -418,22 +419,8 @@ class PostgresChangeStream(ChangeStream):
             self._reset = _reset_messages(str(e), x.wal_start, e.details)
             log.error("unable to continue replication from %s: %s", format_lsn(x.wal_start), e)
             return self._reset
+        self._account(out)
         backfills = self._backfills
-        for m in out:
-            if m.kind == "begin":
-                self._acker.on_begin(m.commit_watermark, skip_ack=m.skip_ack)
-                self._in_tx = True
-                if backfills is not None:
-                    backfills.on_begin(m.commit_watermark)
-            elif m.kind == "commit":
-                self._in_tx = False
-                self._last_commit = m.watermark
-                if backfills is not None:
-                    backfills.on_commit(m.watermark)
-            elif m.kind == "rollback":
-                self._in_tx = False
-            elif m.kind == "data" and backfills is not None:
-                backfills.observe(m)
         if (
             backfills is not None
             and isinstance(message, LogicalMessage)
@@ -450,6 +437,28 @@ class PostgresChangeStream(ChangeStream):
             if passed is not None:
                 out.append(passed)
         return out
+
+    def _account(self, out: list[ChangeSourceMessage]) -> None:
+        """The stream's bookkeeping of decoded messages, whichever decoder made them:
+        the acker's and the backfills' transaction boundaries, and every change a
+        backfill must see (a key change voids its older batches). The C row path
+        (``_read``) does the same for its one row change inline."""
+        backfills = self._backfills
+        for m in out:
+            if m.kind == "begin":
+                self._acker.on_begin(m.commit_watermark, skip_ack=m.skip_ack)
+                self._in_tx = True
+                if backfills is not None:
+                    backfills.on_begin(m.commit_watermark)
+            elif m.kind == "commit":
+                self._in_tx = False
+                self._last_commit = m.watermark
+                if backfills is not None:
+                    backfills.on_commit(m.watermark)
+            elif m.kind == "rollback":
+                self._in_tx = False
+            elif m.kind == "data" and backfills is not None:
+                backfills.observe(m)
 
     async def _swallow(self) -> None:
         """After reset-required nothing more is sent; keep the socket drained until closed."""

@@ -19,12 +19,14 @@ from app.protocol.canonical_json import JsonPieces
 from app.protocol.lexi import lsn_to_watermark
 from app.protocol.messages import Begin, ChangeSourceMessage, Commit, Control, Data, Status
 from app.protocol.pieces import PIECE_CHARS, Pieces
+from app.sources.postgres import source as source_module
 from app.sources.postgres.connection import ReplicationStreamEnded
 from app.sources.postgres.source import (
     PostgresChangeSource,
     PostgresSourceOptions,
 )
 from app.storage.errors import AbortError
+from tests.sources.postgres.test_backfills import Reads, batch, metadata, request
 
 DB = "cs_pgsource"
 SLOT = "cs_pgsource_slot"
@@ -311,6 +313,48 @@ async def test_a_large_value_arrives_in_pieces_and_the_stream_goes_on(
         assert "big" not in update.body["new"]
         assert isinstance(small, Data)
         assert small.body["new"]["big"] == "small"
+    finally:
+        await stream.close()
+
+
+async def test_a_key_change_in_a_large_row_reaches_the_running_backfill(
+    upstream: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every row change goes through the same bookkeeping, whichever decoder made
+    it: a key-changing UPDATE in a frame over a chunk (issue 26) voids the running
+    backfill's older batches of its table, which then starts over, as a small
+    one does. (The backfill's reader is the manager tests' double: the test says
+    when it has read what; replication is the real server's.)"""
+    reads = Reads()
+    monkeypatch.setattr(
+        source_module, "stream_backfill", lambda _u, _n, _p, request, _r: reads(request)
+    )
+    url, start = upstream
+    req = request(
+        {"schema": "public", "name": "items"}, ("big",), {**metadata(), "rowKey": {"id": {}}}
+    )
+    stream = await source_for(url).start_stream(start, [req])
+    try:
+        it = aiter(stream)
+        read = await reads.call(1)  # the backfill of items runs
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as c:
+            await c.execute("INSERT INTO items (id, big) VALUES (1, %s)", ("a" * 2_000_000,))
+            await c.execute("UPDATE items SET id = 5, big = %s WHERE id = 1", ("b" * 2_000_000,))
+        messages = await take(it, 6)
+        update = messages[4]
+        assert isinstance(update, Data)
+        assert update.body["key"] == {"id": 1}
+        assert isinstance(update.body["new"]["big"], JsonPieces)  # the large-frame decoder
+        changed_at = messages[5].watermark  # type: ignore[attr-defined]
+        # A batch read before the key change: voided, and the backfill reads again.
+        read.feed(batch(req, start, [1, "a"]))
+        following = asyncio.ensure_future(take(it, 1))
+        again = await reads.call(2)
+        assert again.request == req
+        again.feed(batch(req, changed_at, [5, "b"]))
+        (begin,) = await asyncio.wait_for(following, 10)
+        assert isinstance(begin, Begin)
+        assert (await take(it, 1))[0].body["watermark"] == changed_at  # type: ignore[attr-defined]
     finally:
         await stream.close()
 
