@@ -46,10 +46,6 @@ class ChangeSourceError(Exception):
     """A source-side failure worth a retry (network, upstream restart, bad frame)."""
 
 
-class ResetRequiredError(ChangeSourceError):
-    """The source cannot serve this replica any more; it must be re-synced."""
-
-
 class ChangeStream(abc.ABC):
     """One upstream connection: an async iterator of messages plus an ack sink."""
 

@@ -164,11 +164,6 @@ class DemoChangeSource(ChangeSource):
         """The newest watermark acked on any stream of this source."""
         return self._acked_watermark
 
-    @property
-    def live_ids(self) -> LiveIds:
-        """The ids the generator may update or delete (for tests)."""
-        return self._live
-
     async def start_stream(
         self, after_watermark: str, backfill_requests: list[BackfillRequest]
     ) -> DemoChangeStream:

@@ -333,11 +333,6 @@ class ChangeStreamerService:
             raise self._stop_error
 
     @property
-    def stop_error(self) -> BaseException | None:
-        """What stopped the service, as passed to ``stop`` (None: a plain stop)."""
-        return self._stop_error
-
-    @property
     def failure(self) -> BaseException | None:
         """The error that stopped the service (None: a plain stop, or still running)."""
         if isinstance(self._stop_error, _CleanStop):
@@ -806,9 +801,6 @@ class ChangeStreamerService:
     def backup_problem(self) -> str | None:
         """Why the backup is not healthy (wedged), or None."""
         return self.backup_state.problem if self.backup_state is not None else None
-
-    def schedule_cleanup(self, watermark: str) -> None:
-        self.purger.schedule_cleanup(watermark)
 
     async def get_change_log_state(self) -> ChangeLogState:
         return await self.replication.change_log_state()

@@ -310,10 +310,6 @@ class Storer:
     def queued_bytes(self) -> int:
         return self._queued_bytes
 
-    @property
-    def last_enqueued_commit(self) -> str:
-        return self._last_enqueued_commit
-
     def _end_enqueued_tx(self) -> None:
         self._enqueued_in_tx = False
         if not self._parked:  # the usual case, once per transaction

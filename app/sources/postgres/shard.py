@@ -85,10 +85,6 @@ class ShardConfig:
             raise ShardConfigError(f"shard number must not be negative: {self.shard_num}")
 
     @property
-    def app_schema(self) -> str:
-        return self.app_id
-
-    @property
     def shard_schema(self) -> str:
         """``{app}_{shard}``: also the replication slot prefix and the trigger namespace."""
         return f"{self.app_id}_{self.shard_num}"

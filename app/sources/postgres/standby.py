@@ -23,13 +23,8 @@ __all__ = ["StandbyAcker"]
 class StandbyAcker:
     def __init__(self) -> None:
         self._waiting_for: str | None = None
-        self._acked = ""
         self._sent = 0
         self._pending = 0
-
-    @property
-    def waiting_for(self) -> str | None:
-        return self._waiting_for
 
     def on_begin(self, commit_watermark: str, *, skip_ack: bool) -> None:
         if not skip_ack:
@@ -39,13 +34,8 @@ class StandbyAcker:
         """The service stored everything up to ``watermark`` (a commit or a status echo)."""
         if self._waiting_for is not None and self._waiting_for <= watermark:
             self._waiting_for = None
-        self._acked = max(self._acked, watermark)
         # Only the major part is an LSN; a backfill minor never moves the slot further.
         self._propose(parse_state_version(watermark).major)
-
-    def acked_through(self, watermark: str) -> bool:
-        """Whether the service has stored everything up to ``watermark``."""
-        return self._acked >= watermark
 
     def on_idle_keepalive(self, wal_end: int) -> None:
         if self._waiting_for is None:
