@@ -24,7 +24,6 @@ from app.protocol.codec import reconstruct
 from app.runtime import memory_limit
 from app.runtime.memory_limit import back_pressure_bytes, memory_limit_bytes
 from app.runtime.options import streamer_options
-from app.sources.memory import MemoryChangeSource
 from app.storage import (
     ChangeDbOptions,
     Replication,
@@ -37,6 +36,7 @@ from app.storage import (
 )
 from app.streamer.service import ChangeStreamerService
 from app.streamer.subscriber import Change
+from tests.memory_source import MemoryChangeSource
 from tests.pgdb import scratch_database
 
 MiB = 1024 * 1024

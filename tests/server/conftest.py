@@ -16,7 +16,6 @@ from app.server.admin import AdminAuth
 from app.server.app import create_app
 from app.server.http_protocol import GuardedHttpProtocol
 from app.server.ws_protocol import LivenessProtocol
-from app.sources.memory import MemoryChangeSource
 from app.storage import (
     ChangeDb,
     Replication,
@@ -27,6 +26,7 @@ from app.storage import (
     parse_change_db_url,
 )
 from app.streamer.service import ChangeStreamerService, StreamerOptions
+from tests.memory_source import MemoryChangeSource
 
 REPLICA_VERSION = "01"
 

@@ -15,9 +15,9 @@ from fastapi import FastAPI
 
 from app.server.metric_values import ChangeLogRows, lag_seconds
 from app.server.metrics import metrics_router
-from app.sources.memory import MemoryChangeSource
 from app.storage import ChangeLog
 from app.streamer.service import ChangeStreamerService, SubscriberContext
+from tests.memory_source import MemoryChangeSource
 
 from .conftest import REPLICA_VERSION, new_service
 from .http import http_get, serve

@@ -9,7 +9,7 @@ import pytest
 from app.protocol.messages import Begin, ChangeSourceMessage, Commit, MessageValidationError
 from app.protocol.messages import parse_change_source_message as parse
 from app.sources.base import ChangeSourceError
-from app.sources.memory import MemoryChangeSource, MemoryChangeStream, StreamQueueFullError
+from tests.memory_source import MemoryChangeSource, MemoryChangeStream, StreamQueueFullError
 
 BEGIN = ["begin", {"tag": "begin"}, {"commitWatermark": "0b"}]
 COMMIT = ["commit", {"tag": "commit"}, {"watermark": "0b"}]

@@ -25,7 +25,6 @@ import pytest
 from app.protocol.canonical_json import loads
 from app.protocol.codec import change_tag
 from app.protocol.lexi import to_lexi
-from app.sources.memory import MemoryChangeSource, MemoryChangeStream
 from app.storage import (
     ChangeLog,
     Replication,
@@ -38,6 +37,7 @@ from app.storage import (
 from app.streamer.downstream import DownstreamClosed
 from app.streamer.service import ChangeStreamerService, StreamerOptions, SubscriberContext
 from app.streamer.timers import ManualTimers
+from tests.memory_source import MemoryChangeSource, MemoryChangeStream
 
 REPLICA_VERSION = "01"
 SEEDS = range(12)

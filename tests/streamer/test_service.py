@@ -14,7 +14,6 @@ from sqlalchemy import text
 
 from app.protocol.canonical_json import dumps, loads
 from app.protocol.errors import ErrorType
-from app.sources.memory import MemoryChangeSource, MemoryChangeStream
 from app.storage import (
     AbortError,
     AutoResetSignal,
@@ -39,6 +38,7 @@ from app.streamer.service import (
 )
 from app.streamer.timers import ManualTimers
 from app.versions import PROBE_REPLICA_VERSION
+from tests.memory_source import MemoryChangeSource, MemoryChangeStream
 
 from .conftest import OWNER, REPLICA_VERSION
 from .helpers import collect
