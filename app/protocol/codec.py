@@ -14,12 +14,41 @@ at its ends, without touching the pieces in between.
 
 from __future__ import annotations
 
-from typing import overload
+from typing import Final, overload
 
 from app.protocol.canonical_json import loads
 from app.protocol.pieces import Pieces, Text
 
-__all__ = ["change_tag", "extract_change", "reconstruct"]
+__all__ = ["change_tag", "data_change", "data_message", "extract_change", "reconstruct"]
+
+# A data message's text is ``["data",<change>]``: built and cut only by the two
+# functions below (and their C twin in ``_rowrun.c``).
+_DATA_HEAD: Final = '["data",'
+
+
+@overload
+def data_message(change_json: str) -> str: ...
+@overload
+def data_message(change_json: Text) -> Text: ...
+
+
+def data_message(change_json: Text) -> Text:
+    """The message text of a data change, from the change's JSON text."""
+    return _DATA_HEAD + change_json + "]"
+
+
+@overload
+def data_change(message_json: str) -> str: ...
+@overload
+def data_change(message_json: Text) -> Text: ...
+
+
+def data_change(message_json: Text) -> Text:
+    """The change's JSON text inside a data message's text (unchecked: the caller
+    knows it is one; a large one, ``Pieces``, is cut at its ends only)."""
+    if isinstance(message_json, str):
+        return message_json[len(_DATA_HEAD) : -1]
+    return message_json.trim(len(_DATA_HEAD), 1)
 
 
 @overload
@@ -31,10 +60,10 @@ def extract_change(message_json: Text) -> Text: ...
 def extract_change(message_json: Text) -> Text:
     """The change object's JSON text inside a canonical message's JSON text."""
     if isinstance(message_json, Pieces):
-        # Only data messages grow large: ["data",<change>]
-        if message_json.head(8) != '["data",' or message_json.tail(1) != "]":
+        # Only data messages grow large.
+        if message_json.head(len(_DATA_HEAD)) != _DATA_HEAD or message_json.tail(1) != "]":
             raise ValueError(f"not a canonical data message: {message_json.head(40)!r}")
-        return message_json.trim(8, 1)
+        return data_change(message_json)
     start = message_json.find(",")
     if start < 0 or not message_json.startswith('["') or not message_json.endswith("]"):
         raise ValueError(f"not a canonical message tuple: {message_json[:40]!r}")
@@ -60,14 +89,14 @@ def reconstruct(watermark: str, tag: str, change_json: Text) -> Text:
     if isinstance(change_json, Pieces):
         if tag in ("begin", "commit", "rollback"):
             raise ValueError(f"a {tag} change is never large")
-        return '["data",' + change_json + "]"
+        return data_message(change_json)
     if tag == "begin":
         return f'["begin",{change_json},{{"commitWatermark":"{watermark}"}}]'
     if tag == "commit":
         return f'["commit",{change_json},{{"watermark":"{watermark}"}}]'
     if tag == "rollback":
         return f'["rollback",{change_json}]'
-    return f'["data",{change_json}]'
+    return data_message(change_json)
 
 
 def change_tag(change: Text) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 from app import speedups
 from app.protocol.canonical_json import encode_fast
 from app.protocol.changes import SCHEMA_CHANGE_TAGS
+from app.protocol.codec import data_message
 from app.protocol.messages import Data
 from app.streamer.subscriber import Change
 
@@ -63,7 +64,7 @@ def encode_rows_py(
         change_json = encode_fast(message.body)
         if change_json is None:
             break
-        text = '["data",' + change_json + "]"
+        text = data_message(change_json)
         changes.append(Change(watermark, tag, text))
         used += len(text)
         i += 1

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from sqlalchemy.exc import DBAPIError
 
 from app.protocol.canonical_json import dumps, dumps_text
-from app.protocol.codec import reconstruct
+from app.protocol.codec import data_message, reconstruct
 from app.protocol.downstream import SYNTHETIC_ROLLBACK_JSON
 from app.protocol.errors import ErrorType
 from app.protocol.messages import (
@@ -599,7 +599,7 @@ class ChangeStreamerService:
                     f"'data' change ({message.tag}) received before 'begin' message"
                 )
             self.changes += 1
-            return new_change(tx, message.tag, '["data",' + dumps_text(message.body) + "]")
+            return new_change(tx, message.tag, data_message(dumps_text(message.body)))
         if kind is Begin:
             assert isinstance(message, Begin)
             if self._tx is not None:

@@ -47,7 +47,7 @@ from functools import partial
 from app.progress import Job, ProgressView
 from app.protocol.canonical_json import loads
 from app.protocol.changes import SCHEMA_CHANGE_TAGS
-from app.protocol.codec import change_tag, extract_change, reconstruct
+from app.protocol.codec import change_tag, data_change, extract_change, reconstruct
 from app.protocol.errors import ErrorType
 from app.protocol.lexi import watermark_fraction
 from app.protocol.pieces import LARGE_TEXT_CHARS
@@ -250,8 +250,7 @@ class Storer:
                 tx = None
                 self._drop_building()
                 continue
-            # ["data",<change>]; a large one (Pieces) is cut at its ends only.
-            data = text[8:-1] if isinstance(text, str) else text.trim(8, 1)
+            data = data_change(text)
             if tag in _SCHEMA_TAGS:  # its backfill bookkeeping goes with the commit
                 assert isinstance(data, str), "a schema change is never large"
                 tx.ops.extend(bookkeeping_for(loads(data)))
