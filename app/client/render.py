@@ -23,14 +23,15 @@ through a pipe or into a file, and for ``--json``, it is the text above, unchang
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TextIO
+from typing import Protocol, TextIO
 
+from app.client.change_text import describe_change
 from app.client.subscription import SubscriptionMessage
 from app.protocol.canonical_json import dumps
 from app.protocol.downstream import DownstreamStatus
 from app.protocol.messages import Begin, Commit, Data, Rollback
 
-__all__ = ["MessagePrinter", "Printer", "change_parts", "describe_change", "message_printer"]
+__all__ = ["MessagePrinter", "Printer", "message_printer"]
 
 
 class Printer(Protocol):
@@ -44,36 +45,6 @@ def message_printer(out: TextIO, *, json_output: bool = False) -> Printer:
     from app.client.terminal import TableMessagePrinter  # rich: loaded for terminals only
 
     return TableMessagePrinter(out)
-
-
-def _table(relation: Any) -> str:
-    if isinstance(relation, dict):
-        return f"{relation.get('schema')}.{relation.get('name')}"
-    return dumps(relation)
-
-
-def change_parts(body: dict[str, Any]) -> tuple[str, str, str]:
-    """A data message's body as (tag, the tables it touches, the rest): ``("update",
-    "public.issues", '{"id":"a"} key {"id":"b"}')``; no tables for schema changes."""
-    tag = body.get("tag")
-    if tag == "insert":
-        return "insert", _table(body["relation"]), dumps(body["new"])
-    if tag == "update":
-        key = body.get("key")
-        rest = dumps(body["new"]) if key is None else f"{dumps(body['new'])} key {dumps(key)}"
-        return "update", _table(body["relation"]), rest
-    if tag == "delete":
-        return "delete", _table(body["relation"]), dumps(body["key"])
-    if tag == "truncate":
-        return "truncate", ", ".join(_table(r) for r in body["relations"]), ""
-    if tag == "backfill":
-        return "backfill", _table(body["relation"]), f"{len(body['rowValues'])} rows"
-    return str(tag), "", dumps({k: v for k, v in body.items() if k != "tag"})
-
-
-def describe_change(body: dict[str, Any]) -> str:
-    """``<tag> <tables> <details>`` of a data message's body."""
-    return " ".join(part for part in change_parts(body) if part)
 
 
 class MessagePrinter:

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from app.client.render import change_parts
+from app.client.change_text import change_parts
 from app.client.subscription import SubscriptionMessage
 from app.protocol.canonical_json import dumps
 from app.protocol.downstream import DownstreamStatus

@@ -12,7 +12,7 @@ port takes both.
 
 One source of values: each collection reads ``MetricValues`` once, on the
 service's event loop (the exporter runs in a thread of its own), turns it into
-the very families ``/metrics`` serves (``metrics.families``), and the instruments
+the very families ``/metrics`` serves (``metric_families.families``), and the instruments
 of ``EXPORTED`` observe their samples: counters and gauges through observable
 instruments. OpenTelemetry has no asynchronous histogram, so the histograms
 (bucket arrays counted by the streamer) are added to each export as
@@ -57,8 +57,8 @@ from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client.core import Metric as Family
 
+from app.server.metric_families import families
 from app.server.metric_values import MetricValues
-from app.server.metrics import families
 
 __all__ = ["EXPORTED", "Exported", "OtlpExport"]
 

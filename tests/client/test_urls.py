@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.client.render import describe_change
+from app.client.change_text import describe_change
 from app.client.urls import parse_base_url, without_userinfo
 
 

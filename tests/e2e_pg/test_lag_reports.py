@@ -15,8 +15,8 @@ import psycopg
 from prometheus_client.core import Metric
 
 from app.protocol.canonical_json import loads
+from app.server.metric_families import families as metric_families
 from app.server.metric_values import MetricValues, latest_lag_report
-from app.server.metrics import families as metric_families
 
 from .conftest import WAIT_S, StartUpstream, Upstream
 
