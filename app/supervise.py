@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from app.backoff import Backoff
 from app.child_env import child_env
-from app.sources.backoff import Backoff
 from app.timeouts import within
 
 __all__ = [

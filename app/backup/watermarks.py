@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from app.backoff import Backoff
 from app.child_env import child_env
-from app.sources.backoff import Backoff
 from app.timeouts import within
 
 __all__ = [

@@ -58,12 +58,8 @@ from app.server.http_protocol import GuardedHttpProtocol
 from app.server.log_lines import limit_lines
 from app.server.ws_protocol import LivenessProtocol
 from app.sources.demo import DemoChangeSource
-from app.storage import (
-    AutoResetSignal,
-    ChangeDb,
-    Replication,
-    SubscriptionState,
-)
+from app.stop_signals import AutoResetSignal
+from app.storage import ChangeDb, Replication, SubscriptionState
 from app.streamer.service import ChangeStreamerService
 
 __all__ = ["demo_service", "discovery_address", "run_serve"]

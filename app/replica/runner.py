@@ -4,7 +4,7 @@
 replicaVersion and stateVersion, subscribe from there over the websocket client, apply
 what arrives (:class:`~app.replica.replicator.Replicator`), and after a lost connection
 subscribe again from the replica's new position, waiting per
-:class:`~app.sources.backoff.Backoff` (25 ms doubling to 10 s, reset after a session
+:class:`~app.backoff.Backoff` (25 ms doubling to 10 s, reset after a session
 that committed something). It returns when ``stop`` is set.
 
 What ends it with an error instead of a retry:
@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Literal
 
+from app.backoff import Backoff
 from app.client import (
     ChangeStreamerClient,
     ChangeStreamerError,
@@ -50,7 +51,6 @@ from app.client import (
 from app.replica.errors import ResyncRequiredError
 from app.replica.replicator import Replicator
 from app.replica.writer import CommitResult
-from app.sources.backoff import Backoff
 from app.timeouts import within
 
 __all__ = ["run_replicator"]

@@ -18,7 +18,8 @@ from app.replica.schema import ReplicaState
 from app.runtime.options import streamer_options, task_id
 from app.runtime.replica_follower import ReplicaFollower
 from app.sources.base import ChangeSource
-from app.storage import AutoResetSignal, ChangeDb, Replication, SubscriptionState
+from app.stop_signals import AutoResetSignal
+from app.storage import ChangeDb, Replication, SubscriptionState
 from app.storage.engine import Shard
 from app.streamer.service import ChangeStreamerService
 

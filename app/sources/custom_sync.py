@@ -43,7 +43,7 @@ from app.replica.schema import (
 )
 from app.replica.writer import ReplicaWriter
 from app.sources.custom import CustomChangeSource, CustomChangeStream
-from app.storage import AutoResetSignal
+from app.stop_signals import AutoResetSignal
 
 __all__ = ["CustomSyncError", "custom_initial_sync"]
 

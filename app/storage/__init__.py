@@ -16,8 +16,6 @@ from app.storage.engine import (
     parse_change_db_url,
 )
 from app.storage.errors import (
-    AbortError,
-    AutoResetSignal,
     ChangeDbConfigError,
     ChangeDbSetupError,
     DuplicateChangeError,
@@ -36,8 +34,6 @@ from app.storage.replication import (
 )
 
 __all__ = [
-    "AbortError",
-    "AutoResetSignal",
     "ChangeDb",
     "ChangeDbConfigError",
     "ChangeDbOptions",

@@ -1,11 +1,13 @@
 """Errors raised by the change DB layer.
 
 ``ChangeDbSetupError`` and ``ChangeDbConfigError`` end start-up with one line that
-names the problem. ``OwnershipLostError`` and ``AutoResetSignal`` are abort
-signals: the service stops instead of retrying.
+names the problem. ``OwnershipLostError`` and ``ChangeTooLargeError`` are stop
+signals (``app.stop_signals``): the service stops instead of retrying.
 """
 
 from __future__ import annotations
+
+from app.stop_signals import AbortError
 
 
 class StorageError(Exception):
@@ -20,10 +22,6 @@ class ChangeDbSetupError(StorageError):
     """The change DB cannot be used: unreachable, corrupt, foreign or too new."""
 
 
-class AbortError(StorageError):
-    """Stop the service; retrying cannot help."""
-
-
 class ChangeTooLargeError(AbortError):
     """A change is larger than the change DB stores in one value (SQLite: 10^9
     bytes, its compiled-in maximum; Postgres: a COPY line of 1 GiB). Retrying
@@ -34,10 +32,6 @@ class ChangeTooLargeError(AbortError):
 
 class OwnershipLostError(AbortError):
     """Another change-streamer has assumed ownership of the change log."""
-
-
-class AutoResetSignal(AbortError):
-    """The replica must be wiped and synced again (a new replicaVersion)."""
 
 
 class PurgeLockedError(StorageError):

@@ -17,9 +17,9 @@ from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.stop_signals import AutoResetSignal
 from app.storage.backfill import backfill_requests
 from app.storage.engine import APPLICATION_NAME, ChangeDb
-from app.storage.errors import AutoResetSignal
 from app.storage.tables import (
     backfilling,
     change_log,

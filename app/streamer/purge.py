@@ -37,7 +37,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Final
 
-from app.storage.errors import AbortError, PurgeLockedError
+from app.stop_signals import AbortError
+from app.storage.errors import PurgeLockedError
 from app.streamer.timers import TimerHandle, Timers
 
 __all__ = ["CLEANUP_DELAY_S", "CommitClock", "Purger"]

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from sqlalchemy.exc import DBAPIError
 
+from app.backoff import Backoff
 from app.protocol.canonical_json import dumps, dumps_text
 from app.protocol.codec import data_message, reconstruct
 from app.protocol.downstream import SYNTHETIC_ROLLBACK_JSON
@@ -48,16 +49,9 @@ from app.protocol.messages import (
     Rollback,
     Status,
 )
-from app.sources.backoff import Backoff
 from app.sources.base import ChangeSource, ChangeStream
-from app.storage import (
-    AbortError,
-    AutoResetSignal,
-    ChangeDb,
-    ChangeLog,
-    ChangeLogState,
-    Replication,
-)
+from app.stop_signals import AbortError, AutoResetSignal
+from app.storage import ChangeDb, ChangeLog, ChangeLogState, Replication
 from app.streamer.acker import UpstreamAcker
 from app.streamer.downstream import DEFAULT_MAX_UNCONSUMED_BYTES, Downstream
 from app.streamer.forwarder import Forwarder

@@ -51,7 +51,8 @@ from app.protocol.codec import change_tag, data_change, extract_change, reconstr
 from app.protocol.errors import ErrorType
 from app.protocol.lexi import watermark_fraction
 from app.protocol.pieces import LARGE_TEXT_CHARS
-from app.storage import AbortError, AutoResetSignal, ChangeLog, Replication, StoredRow
+from app.stop_signals import AbortError, AutoResetSignal
+from app.storage import ChangeLog, Replication, StoredRow
 from app.storage.backfill import BookkeepingOp, bookkeeping_for
 from app.storage.changelog import WriteTransaction
 from app.streamer.histogram import CATCHUP_BOUNDS_S, GROUP_ROWS_BOUNDS, Histogram

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from app.backoff import Backoff
 from app.client import ChangeStreamerClient, Subscription, SubscriptionContext
 from app.replica.errors import ResyncRequiredError
 from app.replica.runner import run_replicator
 from app.replica.writer import CommitResult
-from app.sources.backoff import Backoff
 from tests.server.conftest import REPLICA_VERSION, free_port, start_server
 
 from .conftest import create_index, create_table, delete, insert, new_replica, rows, update

@@ -13,7 +13,7 @@ from app.replica.schema import read_replica_state
 from app.sources.base import ChangeSourceError
 from app.sources.custom import CustomChangeSource
 from app.sources.custom_sync import CustomSyncError, custom_initial_sync
-from app.storage import AutoResetSignal
+from app.stop_signals import AutoResetSignal
 from tests.sources.custom_upstream import (
     CLOSE,
     Frame,

@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.protocol.pieces import LARGE_TEXT_CHARS, PIECE_CHARS, Pieces, Text, text_pieces
+from app.stop_signals import AbortError
 from app.storage import (
     ChangeDb,
     ChangeLog,
@@ -31,7 +32,7 @@ from app.storage import (
     fastpath,
     sqlite_group,
 )
-from app.storage.errors import AbortError, ChangeTooLargeError
+from app.storage.errors import ChangeTooLargeError
 from app.storage.fastpath import copy_escape
 from app.storage.sqlite_group import SqliteStatements
 from app.storage.sqlite_writer import _result

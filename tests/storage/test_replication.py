@@ -7,14 +7,8 @@ import asyncio
 import pytest
 from sqlalchemy import func, select, text
 
-from app.storage import (
-    AutoResetSignal,
-    ChangeDb,
-    ChangeLog,
-    ChangeRow,
-    Replication,
-    SubscriptionState,
-)
+from app.stop_signals import AutoResetSignal
+from app.storage import ChangeDb, ChangeLog, ChangeRow, Replication, SubscriptionState
 from app.storage import replication as replication_module
 from app.storage.backfill import UpsertBackfill, UpsertTableMetadata
 from app.storage.engine import APPLICATION_NAME

@@ -14,9 +14,8 @@ from sqlalchemy import text
 
 from app.protocol.canonical_json import dumps, loads
 from app.protocol.errors import ErrorType
+from app.stop_signals import AbortError, AutoResetSignal
 from app.storage import (
-    AbortError,
-    AutoResetSignal,
     ChangeDb,
     ChangeLog,
     OwnershipLostError,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.storage.errors import AutoResetSignal
+from app.stop_signals import AutoResetSignal
 
 
 class ShardSetupError(Exception):

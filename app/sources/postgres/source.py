@@ -72,7 +72,7 @@ from app.sources.postgres.slots import drop_old_replicas_and_slots, slot_name_pr
 from app.sources.postgres.standby import StandbyAcker
 from app.sources.postgres.stats import SlotWalProbe, upstream_stats
 from app.sources.postgres.values import TypeRegistry, load_type_registry
-from app.storage.errors import AbortError
+from app.stop_signals import AbortError
 from app.timeouts import within
 
 __all__ = ["PostgresChangeSource", "PostgresChangeStream", "PostgresSourceOptions"]

@@ -30,7 +30,7 @@ from app.sources.postgres.slots import (
     slot_status,
 )
 from app.sources.postgres.stats import upstream_stats
-from app.storage.errors import AutoResetSignal
+from app.stop_signals import AutoResetSignal
 
 
 def test_slot_pool_suffixes_run_a_to_z_then_aa() -> None:

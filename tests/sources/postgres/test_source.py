@@ -25,7 +25,7 @@ from app.sources.postgres.source import (
     PostgresChangeSource,
     PostgresSourceOptions,
 )
-from app.storage.errors import AbortError
+from app.stop_signals import AbortError
 from tests.sources.postgres.test_backfills import Reads, batch, metadata, request
 
 DB = "cs_pgsource"

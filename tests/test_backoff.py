@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.sources.backoff import Backoff
+from app.backoff import Backoff
 
 
 def test_delays_double_from_25_ms_up_to_10_s() -> None:
