@@ -1,6 +1,6 @@
 /* One pgoutput row change (Insert, Update, Delete) straight to its Data message.
  *
- * app/sources/postgres/mapper.py documents the contract (ChangeMapper.map_payload).
+ * app/sources/postgres/mapper.py documents the contract (ChangeMapper.map_row).
  * The reference is the pure-Python path, decode_message() then ChangeMapper.map():
  * this kernel gives the same Data or, for anything it does not handle exactly as
  * that path does, None, and the caller takes that path (which raises the precise
