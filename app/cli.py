@@ -3,7 +3,7 @@
 Parsing needs argparse and nothing of the service, so ``changestreamer --help`` and
 ``--version`` answer at once; a subcommand imports its machinery when it runs:
 ``serve``, ``migrate`` and ``restore`` from :mod:`app.commands`, ``tail`` and
-``status`` from :mod:`app.client`, ``replicate`` from :mod:`app.replica.command`.
+``status`` from :mod:`app.client`, ``replicate`` from :mod:`app.commands.replicate`.
 
 Exit status: 0 done; 2 bad settings or arguments, 1 an unusable database, upstream
 or backup, each with one line on stderr (``app.logs.final_line``: a JSON line when the
@@ -72,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_status(args)
     assert args.command == "replicate", args.command
-    from app.replica.command import run_replicate
+    from app.commands.replicate import run_replicate
 
     return run_replicate(args)
 

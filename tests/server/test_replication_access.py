@@ -38,8 +38,8 @@ from app.client.errors import UnauthorizedError
 from app.client.resume import ReconnectPolicy, ResumingSubscription
 from app.client.subscription import Subscription, SubscriptionContext
 from app.client.tail import run_tail
+from app.commands.replicate import run_replicate
 from app.protocol.canonical_json import dumps, loads
-from app.replica.command import run_replicate
 from app.runtime.held_reservation import HeldReservation
 from app.server.log_lines import limit_lines
 from app.server.replication_access import ReplicationAccess
