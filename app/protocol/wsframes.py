@@ -2,11 +2,11 @@
 
 What the server writes: ``{"id":N,…}`` envelopes (wire.md §1.1, §5.3) in unmasked
 FIN text frames (a large message, ``Pieces``, in fragments: :func:`fragment_frames`).
-:func:`envelope_texts` is the one place an envelope is spelled
-(v6: a ``msg`` frame per message; v7: ``batch`` frames of up to ``per_frame``
-messages, a lone message as ``msg``); :func:`encode_envelopes` is the same frames
-with their headers, as one ``bytes`` to write, and :func:`encode_text_frames` any
-texts so.
+:func:`msg_envelope` and :func:`envelope_texts` are the one place an envelope is
+spelled (v6: a ``msg`` frame per message; v7: ``batch`` frames of up to
+``per_frame`` messages, a lone message as ``msg``; a large message as ``msg``);
+:func:`encode_envelopes` is the same frames with their headers, as one ``bytes`` to
+write, and :func:`encode_text_frames` any texts so.
 
 What the server reads: :func:`ack_ids` takes a socket read made only of whole,
 masked ``{"ack":N}`` frames (N canonical: digits, no leading zero) to their ids in
@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from typing import Final
+from typing import Final, overload
 
 from app import speedups
+from app.protocol.pieces import Pieces, Text
 
 __all__ = [
     "ack_ids",
@@ -37,6 +38,7 @@ __all__ = [
     "fragment_frames",
     "frame_count",
     "frame_header",
+    "msg_envelope",
     "unmask",
 ]
 
@@ -87,19 +89,29 @@ def encode_text_frames(texts: Sequence[str]) -> bytes:
     return b"".join(parts)
 
 
+@overload
+def msg_envelope(frame_id: int, message: str) -> str: ...
+@overload
+def msg_envelope(frame_id: int, message: Pieces) -> Pieces: ...
+
+
+def msg_envelope(frame_id: int, message: Text) -> Text:
+    """``{"id":N,"msg":m}``: one message in a frame (a large one, ``Pieces``, too)."""
+    return '{"id":' + str(frame_id) + ',"msg":' + message + "}"
+
+
 def envelope_texts(first_id: int, messages: Sequence[str], per_frame: int = 1) -> list[str]:
     """The envelopes of ``messages`` with ids from ``first_id``: ``{"id":N,"msg":m}``,
     or ``{"id":N,"batch":[…]}`` for up to ``per_frame`` messages together."""
     if per_frame == 1:
-        return ['{"id":' + str(first_id + i) + ',"msg":' + m + "}" for i, m in enumerate(messages)]
+        return [msg_envelope(first_id + i, m) for i, m in enumerate(messages)]
     texts = []
     for n, start in enumerate(range(0, len(messages), per_frame)):
         chunk = messages[start : start + per_frame]
         if len(chunk) == 1:
-            tail = ',"msg":' + chunk[0] + "}"
+            texts.append(msg_envelope(first_id + n, chunk[0]))
         else:
-            tail = ',"batch":[' + ",".join(chunk) + "]}"
-        texts.append('{"id":' + str(first_id + n) + tail)
+            texts.append('{"id":' + str(first_id + n) + ',"batch":[' + ",".join(chunk) + "]}")
     return texts
 
 

@@ -31,7 +31,13 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.protocol.envelope import AckError, parse_ack
 from app.protocol.pieces import Pieces, Text
-from app.protocol.wsframes import encode_envelopes, envelope_texts, fragment_frames, frame_count
+from app.protocol.wsframes import (
+    encode_envelopes,
+    envelope_texts,
+    fragment_frames,
+    frame_count,
+    msg_envelope,
+)
 from app.server.ws_protocol import DIRECT, DirectSocket
 from app.streamer.downstream import Downstream, DownstreamClosed
 from app.timeouts import within
@@ -187,7 +193,7 @@ class Outbound:
         frame_id = self._next_id
         self._next_id += 1
         self._runs.append((frame_id, downstream, 0 if downstream is None else 1))
-        envelope = '{"id":' + str(frame_id) + ',"msg":' + message + "}"
+        envelope = msg_envelope(frame_id, message)
         direct = self._direct
         if direct is None:
             # Only under another server than ours (ASGI has no fragments): whole.
