@@ -122,4 +122,4 @@ def test_bad_arguments_are_errors() -> None:
     with pytest.raises(ValueError, match="pos out of range"):
         _rawscan.scan_acks(b"", 1)
     with pytest.raises(TypeError):
-        _rawscan.scan_acks("text", 0)  # type: ignore[arg-type]
+        _rawscan.scan_acks("text", 0)

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pins() -> dict[str, str]:
-    pinned = {}
+    pinned: dict[str, str] = {}
     for line in (REPO / "constraints.txt").read_text().splitlines():
         name, sep, version = line.partition("==")
         if sep:

@@ -9,7 +9,7 @@ import pytest
 from app.client import (
     ChangeStreamerClient,
     ProtocolError,
-    ReservationFollowup,
+    SnapshotFollowup,
     SnapshotStatus,
     SubscriptionContext,
 )
@@ -20,7 +20,7 @@ from .conftest import REPLICA_VERSION, TIMEOUT, Server, txn, wait_until
 
 async def reserve(
     server: Server, task_id: str = "t1", *, backed_up: str = "02"
-) -> tuple[SnapshotStatus, ReservationFollowup]:
+) -> tuple[SnapshotStatus, SnapshotFollowup]:
     """Reserves; stores a transaction and confirms a backup of it so the status comes."""
     client = ChangeStreamerClient(server.url)
     reserving = asyncio.create_task(client.reserve_snapshot(task_id))

@@ -90,6 +90,7 @@ class Upstream:
             except TimeoutError:
                 raise StreamTimeout(f"no message within {WAIT_S}s") from None
             self.subscriber.ack_next()
+            assert isinstance(text, str)  # no message here is large enough for Pieces
             message = loads(text)
             assert isinstance(message, list), text
             if message[0] != "status":
@@ -110,6 +111,7 @@ class Upstream:
         """No further non-status message already queued for the subscriber."""
         while (text := self.subscriber.get_nowait()) is not None:
             self.subscriber.ack_next()
+            assert isinstance(text, str)  # no message here is large enough for Pieces
             if loads(text)[0] != "status":
                 return False
         return True

@@ -58,7 +58,7 @@ def test_known_cases(data: bytes, flags: int) -> None:
 
 def test_only_bytes_are_scanned() -> None:
     with pytest.raises(TypeError):
-        _jsscan.scan("[1.0]")  # type: ignore[arg-type]
+        _jsscan.scan("[1.0]")
 
 
 @settings(max_examples=3000, deadline=None)

@@ -26,7 +26,7 @@ from app.runtime.log_follower import (
     messages_from_rows,
 )
 from app.runtime.replica_follower import ReplicaFollower, parse_line
-from app.storage import ChangeDb, ChangeLog, ChangeRow, Replication, SubscriptionState
+from app.storage import ChangeDb, ChangeLog, ChangeRow, Replication, StoredRow, SubscriptionState
 from tests.storage.conftest import drop_schema, make_db
 
 from .conftest import create_index, create_table, insert, rows
@@ -119,7 +119,7 @@ async def test_a_log_purged_past_the_replica_means_resync(
         assert replicator.watermark == "02"
 
 
-def _stored(change_rows: list[ChangeRow]) -> list[tuple[str, int, str, str | None]]:
+def _stored(change_rows: list[ChangeRow]) -> list[StoredRow]:
     return [(r.watermark, r.pos, r.change, r.precommit) for r in change_rows]
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from app.protocol.downstream import parse_downstream_message
+from app.protocol.downstream import DownstreamError, parse_downstream_message
 from app.protocol.messages import parse_change_source_message
 from app.replica.errors import ReplicaError, ResyncRequiredError
 from app.replica.replicator import ReplicaMessage, Replicator
@@ -25,11 +25,18 @@ def tx(watermark: str, *changes: dict[str, Any]) -> list[list[Any]]:
     ]
 
 
+def parse(message: list[Any]) -> ReplicaMessage:
+    """``message`` parsed: never a downstream error here (the subscription raises those)."""
+    parsed = parse_downstream_message(message)
+    assert not isinstance(parsed, DownstreamError)
+    return parsed
+
+
 async def stream(
     messages: Sequence[list[Any]], fail: BaseException | None = None, *, size: int = 1
 ) -> AsyncIterator[list[ReplicaMessage]]:
     """The messages in batches of ``size`` (a subscription's ``batches``)."""
-    parsed = [parse_downstream_message(m) for m in messages]
+    parsed = [parse(m) for m in messages]
     for start in range(0, len(parsed), size):
         yield parsed[start : start + size]
     if fail is not None:
@@ -118,4 +125,4 @@ async def test_a_closed_replicator_refuses_work(replica: Path) -> None:
     await replicator.close()
     await replicator.close()  # idempotent
     with pytest.raises(ReplicaError, match="not open"):
-        await replicator.apply_batch([parse_downstream_message(["rollback", {"tag": "rollback"}])])
+        await replicator.apply_batch([parse(["rollback", {"tag": "rollback"}])])

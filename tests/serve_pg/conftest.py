@@ -32,6 +32,7 @@ from typing import IO, Any
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 from tests import waiting
 from tests.pgdb import scratch_database
@@ -402,7 +403,7 @@ class Writer:
                             s,
                             rng.random() * 1e6,
                             rng.random() < 0.5,
-                            psycopg.types.json.Jsonb({"seq": seq, "s": s}),
+                            Jsonb({"seq": seq, "s": s}),
                         ),
                     )
                     ids.append(next_id)

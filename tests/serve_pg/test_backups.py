@@ -225,11 +225,11 @@ async def test_without_a_backup_url_the_change_log_stays_bounded(
     try:
         for committed in range(100, 401, 100):
             # Stored transactions get purged, so count what the writer committed.
-            await eventually(
-                lambda n=committed: writer.check() or len(writer.committed) >= n,
-                f"{committed} writer commits",
-                60,
-            )
+            def committed_enough(n: int = committed) -> bool:
+                writer.check()
+                return len(writer.committed) >= n
+
+            await eventually(committed_enough, f"{committed} writer commits", 60)
             peaks.append(change_log_rows(serve))
     finally:
         await writer.finish()

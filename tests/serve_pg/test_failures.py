@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import signal
 import time
@@ -206,7 +207,7 @@ async def test_walsender_terminated_mid_stream_reconnects_and_loses_nothing(
             assert ok
             # A new walsender (a reconnect, not the old one) takes the slot again.
             await eventually(
-                lambda pid=pid: _other_walsender(upstream, pid), "a reconnected walsender"
+                functools.partial(_other_walsender, upstream, pid), "a reconnected walsender"
             )
     finally:
         await writer.finish()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ SETUP = (
 )
 
 # (Postgres query, replica query, Postgres row → replica row); timestamps as epoch µs ÷ 1000.
-TABLES = {
+TABLES: dict[str, tuple[str, str, Callable[[tuple[Any, ...]], tuple[Any, ...]]]] = {
     "foo": (
         "SELECT id, v, n, (extract(epoch FROM at) * 1000000)::bigint FROM foo ORDER BY id",
         "SELECT id, v, n, at FROM foo ORDER BY id",
@@ -128,9 +129,12 @@ async def test_replicate_applies_backfills_and_ends_equal_to_postgres(
             assert code is None, f"replicate exited with {code}:\n{log.read_text()[-3000:]}"
 
         await pg_execute(upstream, "UPDATE foo SET n = n + 1 WHERE id <= 10")
-        await eventually(
-            lambda: alive() or replica_versions(copy)[1] > copied_at, "replicate to follow"
-        )
+
+        def follows() -> bool:
+            alive()
+            return replica_versions(copy)[1] > copied_at
+
+        await eventually(follows, "replicate to follow")
         await pg_execute(
             upstream,
             "ALTER TABLE foo ADD COLUMN at timestamptz DEFAULT now()",

@@ -16,6 +16,8 @@ stored exactly once in the change DB, and no re-sync along the way.
 
 from __future__ import annotations
 
+import functools
+
 from app.protocol.lexi import parse_state_version
 from tests.serve_pg.conftest import (
     Serve,
@@ -101,7 +103,7 @@ async def test_sigkill_twice_during_writes_loses_and_repeats_nothing(
             # Acks follow storage asynchronously: a burst stored in one group commit
             # can be on disk a moment before its ack reaches Postgres.
             await eventually(
-                lambda previous=flush: _flush_moved_past(upstream, previous),
+                functools.partial(_flush_moved_past, upstream, flush),
                 "an ack to move confirmed_flush_lsn",
             )
             serve.kill()

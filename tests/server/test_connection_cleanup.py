@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from app.server.http_protocol import GuardedHttpProtocol
 from app.server.ws_protocol import LivenessProtocol
 
 from ..waiting import eventually
@@ -87,7 +88,9 @@ def txn(watermark: str, rows: int) -> list[list[Any]]:
 def registries(server: Server) -> dict[str, int]:
     """Everything the service keeps per subscriber or per connection, by size."""
     service, forwarder, storer = server.service, server.service.forwarder, server.service.storer
-    limits = server.http.config.http_protocol_class.limits
+    protocol = server.http.config.http_protocol_class
+    assert issubclass(protocol, GuardedHttpProtocol)
+    limits = protocol.limits
     return {
         "active subscribers": len(forwarder.active),
         "queued subscribers": len(forwarder.queued),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import uvicorn
 from websockets.client import ClientProtocol
-from websockets.frames import Opcode
+from websockets.frames import Frame, Opcode
 from websockets.uri import parse_uri
 
 from app.protocol.canonical_json import loads
@@ -51,6 +51,8 @@ class NoPongClient:
                     if getattr(event, "opcode", None) == Opcode.TEXT:
                         self.frames += 1
                         if self._acks:
+                            assert isinstance(event, Frame)
+                            assert isinstance(event.data, (bytes, bytearray))
                             frame_id = loads(event.data.decode())["id"]
                             conn.send_text(f'{{"ack":{frame_id}}}'.encode())
                             writer.write(b"".join(conn.data_to_send()))

@@ -60,6 +60,12 @@ def read_server_frames(raw: bytes) -> list[Frame]:
     return frames
 
 
+def frame_text(frame: Frame) -> str:
+    """A parsed frame's payload as text (``Frame.parse`` gives bytes or a bytearray)."""
+    assert isinstance(frame.data, (bytes, bytearray))
+    return frame.data.decode()
+
+
 def read_server_frame(raw: bytes) -> Frame:
     (frame,) = read_server_frames(raw)
     return frame
@@ -77,7 +83,7 @@ def test_server_frames_parse_as_one_fin_text_frame(size: int) -> None:
 def test_several_server_frames_written_together_parse_back_in_order() -> None:
     texts = ['{"id":1,"msg":["begin"]}', "", "é" * 200, "x" * 70_000, '{"id":5}']
     frames = read_server_frames(_text_frames_bytes(texts))
-    assert [f.data.decode() for f in frames] == texts
+    assert [frame_text(f) for f in frames] == texts
     assert all(f.opcode is Opcode.TEXT and f.fin for f in frames)
 
 
@@ -105,7 +111,7 @@ def test_v6_frames_built_together_parse_back_with_their_ids(
     # with the 16-byte {"id":9,"msg":…} envelope), non-ASCII text, ids gaining digits.
     messages = ['["begin"]', "", "é" * 200, "x" * 109, "x" * 110, "y" * 65_519, "y" * 65_520]
     frames = read_server_frames(msg_frames(9, messages))
-    assert [f.data.decode() for f in frames] == [
+    assert [frame_text(f) for f in frames] == [
         f'{{"id":{9 + i},"msg":{m}}}' for i, m in enumerate(messages)
     ]
     assert all(f.opcode is Opcode.TEXT and f.fin for f in frames)
@@ -122,7 +128,7 @@ def test_envelopes_of_either_protocol_parse_back_as_the_wire_format(per_frame: i
         '"' + "é" * 300 + '"',
     ]
     frames = read_server_frames(wsframes.encode_envelopes(5, messages, per_frame))
-    texts = [f.data.decode() for f in frames]
+    texts = [frame_text(f) for f in frames]
     assert texts == wsframes.envelope_texts(5, messages, per_frame)
     assert len(texts) == wsframes.frame_count(len(messages), per_frame)
     if per_frame == 2:
@@ -150,13 +156,15 @@ def test_unmasking_is_the_libraries() -> None:
     ),
 )
 def test_the_c_and_python_frame_builders_agree(first_id: int, messages: list[str]) -> None:
+    assert _wsfast is not None  # needs_c
     assert _wsfast.msg_frames(first_id, messages) == _msg_frames_py(first_id, messages)
 
 
 @needs_c
 def test_the_c_frame_builder_takes_only_strings() -> None:
+    assert _wsfast is not None  # needs_c
     with pytest.raises(TypeError, match="messages must be str, not bytes"):
-        _wsfast.msg_frames(1, ["ok", b"no"])  # type: ignore[list-item]
+        _wsfast.msg_frames(1, ["ok", b"no"])
     with pytest.raises(UnicodeEncodeError):
         _wsfast.msg_frames(1, ["\ud800"])  # as str.encode() would
 
@@ -282,6 +290,7 @@ def test_ack_ids_agree_with_the_general_path_on_mixed_chunks(parse_acks: AckPars
 def test_the_c_and_python_ack_parsers_agree(
     texts: list[str], cut: int, data: st.DataObject
 ) -> None:
+    assert _wsfast is not None  # needs_c
     chunk = b"".join(client_frame(t) for t in texts)
     if cut:  # sometimes a partial frame at the end, sometimes a corrupted byte
         where = data.draw(st.integers(min_value=0, max_value=len(chunk) - 1))
@@ -295,8 +304,9 @@ def test_the_c_and_python_ack_parsers_agree(
 
 @needs_c
 def test_the_c_ack_parser_takes_only_bytes() -> None:
+    assert _wsfast is not None  # needs_c
     with pytest.raises(TypeError):
-        _wsfast.ack_ids('{"ack":1}')  # type: ignore[arg-type]
+        _wsfast.ack_ids('{"ack":1}')
 
 
 @pytest.mark.parametrize("version", ["0.30.6", "0.45.0", "0.52.0"])

@@ -9,6 +9,7 @@ import itertools
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from sqlalchemy import text
@@ -41,7 +42,7 @@ def make_db(backend: str, tmp_path: Path, pg_url: str) -> ChangeDb:
     if backend == "postgres":
         return create_change_db(parse_change_db_url(pg_url), shard)
     url = str(tmp_path / f"{shard.name}-cdc.db")
-    writer = "thread" if backend == "sqlite-thread" else "process"
+    writer: Literal["process", "thread"] = "thread" if backend == "sqlite-thread" else "process"
     return create_change_db(parse_change_db_url(url), shard, ChangeDbOptions(sqlite_writer=writer))
 
 

@@ -14,6 +14,7 @@ from app.storage import (
     OwnershipLostError,
     PurgeLockedError,
     Replication,
+    StoredRow,
     SubscriptionState,
 )
 
@@ -44,8 +45,10 @@ async def owned_log(db: ChangeDb) -> ChangeLog:
     return ChangeLog(db)
 
 
-async def read_all(log: ChangeLog, start: str = "00", up_to: str = "zz", **kw: int) -> list[tuple]:
-    out: list[tuple] = []
+async def read_all(
+    log: ChangeLog, start: str = "00", up_to: str = "zz", **kw: int
+) -> list[StoredRow]:
+    out: list[StoredRow] = []
     async for batch in log.read(start, up_to, **kw):
         assert 0 < len(batch) <= kw.get("batch_size", 2000)
         out.extend(batch)
@@ -62,7 +65,10 @@ async def test_group_commit_stores_many_transactions_in_key_order(log: ChangeLog
         w.set_last_watermark("0a")
 
     # The seed rows of ensure_config come first: a bare begin/commit at the replica version.
-    expected = [("01", 0, '{"tag":"begin"}', None), ("01", 1, '{"tag":"commit"}', None)]
+    expected: list[tuple[object, ...]] = [
+        ("01", 0, '{"tag":"begin"}', None),
+        ("01", 1, '{"tag":"commit"}', None),
+    ]
     for rows in (
         tx("02", insert(1), insert(2)),
         tx("03", insert(3)),
@@ -86,7 +92,7 @@ async def test_a_first_batch_size_starts_small_and_doubles_up_to_the_batch_size(
     expected = await read_all(log)
     assert len(expected) == 44  # the seed's begin/commit, then begin, 40 inserts, commit
     sizes = []
-    rows: list[tuple] = []
+    rows: list[StoredRow] = []
     async for batch in log.read("00", "zz", batch_size=12, first_batch=3):
         sizes.append(len(batch))
         rows.extend(batch)

@@ -96,6 +96,7 @@ async def test_sqlite_readers_come_back_to_the_pool_outside_any_transaction(
         assert await r.scalar(text("SELECT count(*) FROM t")) == 0
     async with db.reader.connect() as r:  # a driver-level read, as storage.fastpath
         driver = (await r.get_raw_connection()).driver_connection
+        assert driver is not None
         assert await driver.execute_fetchall("SELECT count(*) FROM t", ()) == [(0,)]
     async with db.writer.begin() as w:
         await w.execute(text("INSERT INTO t VALUES (1)"))
@@ -104,6 +105,7 @@ async def test_sqlite_readers_come_back_to_the_pool_outside_any_transaction(
     try:
         for r in conns:
             driver = (await r.get_raw_connection()).driver_connection
+            assert driver is not None
             assert not driver._conn.in_transaction
             assert await driver.execute_fetchall("SELECT count(*) FROM t", ()) == [(1,)]
     finally:

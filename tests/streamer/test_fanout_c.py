@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app import speedups
+from app.protocol.pieces import Text
 from app.streamer import downstream, subscriber
 from app.streamer.downstream import _running_totals_py
 from app.streamer.subscriber import Change, _select_live_py
@@ -30,10 +31,10 @@ def test_the_c_loops_are_used_unless_speedups_are_off() -> None:
 
 def both_select(
     changes: list[Change], watermark: str, unsupported: frozenset[str], pushed: int
-) -> tuple[str, list[str], list[tuple[int, str]]]:
+) -> tuple[str, list[Text], list[tuple[int, str]]]:
     results = []
     for select in (_fanout.select_live, _select_live_py):
-        texts: list[str] = []
+        texts: list[Text] = []
         commits: deque[tuple[int, str]] = deque([(0, "00")])
         new_watermark = select(changes, watermark, unsupported, pushed, texts, commits)
         results.append((new_watermark, texts, list(commits)))
@@ -71,11 +72,11 @@ def test_running_totals_continue_from_the_total() -> None:
 
 def test_bad_arguments_are_type_errors() -> None:
     with pytest.raises(TypeError):
-        _fanout.select_live(tuple(tx("02")), "01", frozenset(), 0, [], deque())  # type: ignore[arg-type]
+        _fanout.select_live(tuple(tx("02")), "01", frozenset(), 0, [], deque())
     with pytest.raises(TypeError):
         _fanout.select_live([("02", "begin")], "01", frozenset(), 0, [], deque())
     with pytest.raises(TypeError):
-        _fanout.running_totals([], ["x", 3], 0)  # type: ignore[list-item]
+        _fanout.running_totals([], ["x", 3], 0)
 
 
 watermarks = st.sampled_from(["01", "02", "03", "0a", "0b", "1"])
@@ -101,7 +102,7 @@ def test_c_and_python_agree_on_any_batch(
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.text(max_size=30), max_size=20), st.integers(0, 10**12))
-def test_running_totals_agree(messages: list[str], total: int) -> None:
+def test_running_totals_agree(messages: list[Text], total: int) -> None:
     ends_c: list[int] = []
     ends_py: list[int] = []
     assert _fanout.running_totals(ends_c, messages, total) == _running_totals_py(

@@ -39,6 +39,8 @@ from app.streamer.service import ChangeStreamerService, StreamerOptions, Subscri
 from app.streamer.timers import ManualTimers
 from tests.memory_source import MemoryChangeSource, MemoryChangeStream
 
+from .helpers import whole
+
 REPLICA_VERSION = "01"
 SEEDS = range(12)
 TRANSACTIONS = 120
@@ -148,7 +150,7 @@ class Client:
             try:
                 while budget > 0:
                     budget -= 1
-                    msg = loads(await asyncio.wait_for(ds.get(), 0.5))
+                    msg = loads(whole(await asyncio.wait_for(ds.get(), 0.5)))
                     if self.slow:
                         await asyncio.sleep(self.rng.choice([0, 0.001, 0.003]))
                     kind = msg[0]
@@ -233,7 +235,7 @@ async def run_seed(seed: int, tmp_path: Path) -> None:
             elif tag == "commit":
                 stored.append((w, current))
             else:
-                current.append(["data", loads(change)])
+                current.append(["data", loads(whole(change))])
     await db.dispose()
 
     assert [w for w, _ in stored] == [w for w, _ in upstream.committed], (

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app import speedups
-from app.protocol.canonical_json import dumps
+from app.protocol.canonical_json import dumps, encode_fast
 from app.protocol.messages import Begin, Commit, Data, parse_change_source_message
 from app.streamer import rowrun
 from app.streamer.rowrun import encode_rows_py
@@ -19,7 +19,7 @@ from tests.c_helpers import built, needs
 
 _rowrun = built("app.streamer._rowrun")
 if _rowrun is not None and not speedups.ENABLED:  # rowrun set it up only if it uses it
-    _rowrun.setup(Data, Change, rowrun._SCHEMA_TAGS, rowrun.encode_fast)
+    _rowrun.setup(Data, Change, rowrun._SCHEMA_TAGS, encode_fast)
 needs_c = needs(_rowrun, "app/streamer/_rowrun.c")
 # Both when the C one is built (they must agree), else the Python one alone.
 ENCODERS = [encode_rows_py] if _rowrun is None else [_rowrun.encode_rows, encode_rows_py]
@@ -88,7 +88,7 @@ def test_the_c_run_is_used_when_built_unless_speedups_are_off() -> None:
 
 
 def test_a_run_encodes_each_row_once_for_the_log_and_the_wire() -> None:
-    messages = [begin(), row(1), row(2, name="é ✓"), row(3), commit()]
+    messages: list[Begin | Data | Commit] = [begin(), row(1), row(2, name="é ✓"), row(3), commit()]
     end, used, changes = both(messages, start=1)
     assert end == 4
     assert changes == [Change(W, "insert", f'["data",{dumps(m.body)}]') for m in messages[1:4]]
@@ -126,10 +126,11 @@ def test_a_run_stops_after_the_row_that_fills_the_budget() -> None:
 
 @needs_c
 def test_bad_arguments_are_type_errors() -> None:
+    assert _rowrun is not None  # needs_c
     with pytest.raises(TypeError):
-        _rowrun.encode_rows((row(1),), 0, W, [], 10)  # type: ignore[arg-type]
+        _rowrun.encode_rows((row(1),), 0, W, [], 10)
     with pytest.raises(TypeError):
-        _rowrun.encode_rows([row(1)], 0, W, [])  # type: ignore[call-arg]
+        _rowrun.encode_rows([row(1)], 0, W, [])
     with pytest.raises(ValueError, match="start"):
         _rowrun.encode_rows([row(1)], -1, W, [], 10)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -13,6 +14,7 @@ from app.protocol.canonical_json import dumps, loads
 from app.protocol.codec import reconstruct
 from app.protocol.errors import ErrorType
 from app.protocol.lexi import to_lexi
+from app.protocol.pieces import Text
 from app.storage import ChangeDb, ChangeLog, OwnershipLostError, Replication
 from app.streamer.downstream import Downstream
 from app.streamer.storer import Storer, WedgedError
@@ -21,7 +23,7 @@ from app.streamer.timers import ManualTimers
 
 from ..waiting import eventually
 from .conftest import OWNER, REPLICA_VERSION
-from .helpers import collect, drain, make_sub, settle
+from .helpers import collect, drain, make_sub, settle, whole
 
 # Entries: (watermark, tag, change text, body); ``change`` makes the service's Change.
 
@@ -54,7 +56,7 @@ def txn(w: str, n: int = 1) -> list[tuple[str, str, str, object]]:
 
 
 class Harness:
-    def __init__(self, db: ChangeDb, **kw: object) -> None:
+    def __init__(self, db: ChangeDb, **kw: Any) -> None:
         self.timers = ManualTimers()
         self.durable: list[str] = []
         self.fatal: list[BaseException] = []
@@ -68,14 +70,14 @@ class Harness:
             timers=self.timers,
             on_durable=self.durable.append,
             on_fatal=self.fatal.append,
-            **kw,  # type: ignore[arg-type]
+            **kw,
         )
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.storer.run())
 
-    def feed(self, entries: list[tuple[str, str, str, object]]) -> None:
+    def feed(self, entries: Sequence[tuple[str, str, str, object]]) -> None:
         """The entries as the service hands them over: its changes, one at a time."""
         for entry in entries:
             self.storer.append([change(entry)])
@@ -83,7 +85,7 @@ class Harness:
     async def until_durable(self, w: str) -> None:
         await asyncio.wait_for(self.storer.wait_durable(w), 10)
 
-    async def rows(self) -> list[tuple[str, int, str]]:
+    async def rows(self) -> list[tuple[str, int, Text]]:
         out = []
         async for batch in self.log.read("00", "zz"):
             out += [(w, p, c) for w, p, c, _ in batch]
@@ -119,7 +121,7 @@ async def test_whole_transactions_are_stored_with_positions_and_head(harness: Ha
         ("03", 1),
         ("03", 2),
     ]
-    assert loads(rows[3][2]) == {
+    assert loads(whole(rows[3][2])) == {
         "tag": "insert",
         "relation": {"schema": "public", "name": "t"},
         "new": {"id": 0},
@@ -333,7 +335,7 @@ async def test_a_backlog_past_its_bound_is_read_from_the_log_in_another_round(
     assert most <= 8
     assert sub.backlog_drops == 1
     msgs = await collect(ds, 1 + 38 * 3)
-    commits = [m[2]["watermark"] for m in msgs if m[0] == "commit"]  # type: ignore[index]
+    commits = [m[2]["watermark"] for m in msgs if m[0] == "commit"]
     assert commits == [f"{i:02d}" for i in range(2, 40)]
     await eventually(lambda: not sub.backlogged, "the subscriber is live")
     for entry in txn("40"):

@@ -16,7 +16,7 @@ async def test_status_is_sent_only_once_catch_up_starts() -> None:
     assert drain(ds) == []
     sub.catchup([tx("02")[0]])
     sub.send_status()
-    assert [m[0] for m in drain(ds)] == ["status", "begin", "status"]  # type: ignore[index]
+    assert [m[0] for m in drain(ds)] == ["status", "begin", "status"]
 
 
 async def test_protocol_1_gets_no_status() -> None:
@@ -34,7 +34,7 @@ async def test_live_changes_wait_in_the_backlog_until_caught_up_then_flow_in_ord
         sub.catchup([change])
     sub.set_caught_up()
     await settle()
-    kinds = [(m[0], m[-1]) if m[0] != "data" else ("data",) for m in drain(ds)]  # type: ignore[index]
+    kinds = [(m[0], m[-1]) if m[0] != "data" else ("data",) for m in drain(ds)]
     assert [k[0] for k in kinds] == ["status", "begin", "data", "commit", "begin", "data", "commit"]
     assert not sub.backlogged
     assert sub.watermark == "03"
@@ -50,7 +50,7 @@ async def test_changes_at_or_below_the_watermark_are_dropped_on_both_paths() -> 
         assert sub.send([change]) is None
     for change in tx("06"):
         sub.send([change])
-    assert [m[0] for m in drain(ds)] == ["status", "begin", "data", "commit"]  # type: ignore[index]
+    assert [m[0] for m in drain(ds)] == ["status", "begin", "data", "commit"]
     # A replay of 06 is ignored.
     for change in tx("06"):
         assert sub.send([change]) is None
@@ -136,8 +136,8 @@ async def test_update_table_metadata_is_not_sent_below_protocol_5() -> None:
     await settle()
     old.send([change])
     new.send([change])
-    assert [m[0] for m in drain(old_ds)] == ["status"]  # type: ignore[index]
-    assert [m[0] for m in drain(new_ds)] == ["status", "data"]  # type: ignore[index]
+    assert [m[0] for m in drain(old_ds)] == ["status"]
+    assert [m[0] for m in drain(new_ds)] == ["status", "data"]
 
 
 @pytest.mark.parametrize(

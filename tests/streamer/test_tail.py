@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.protocol.errors import ErrorType
-from app.storage import ChangeDb
+from app.storage import ChangeDb, StoredRow
 from app.streamer.tail import LogTail
 
 from .helpers import collect
@@ -19,7 +19,7 @@ __all__ = ["harness"]  # the fixture, used here too
 # -- LogTail --------------------------------------------------------------------
 
 
-def rows(w: str, n: int) -> list[tuple[str, int, str, str | None]]:
+def rows(w: str, n: int) -> list[StoredRow]:
     return [(w, i, "x" * 10, w if i == n - 1 else None) for i in range(n)]
 
 

@@ -11,7 +11,7 @@ the same rows are also inserted under a pgoutput slot and read through
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import psycopg
@@ -299,6 +299,7 @@ async def test_the_temporary_slot_and_session_are_gone_after_an_early_close(wide
     backfill = stream_backfill(wide, NAMES, [PUB], request, await registry(wide), batch_bytes=500)
     first = await asyncio.wait_for(anext(backfill), WAIT_S)
     assert first["tag"] == "backfill"
+    assert isinstance(backfill, AsyncGenerator)  # declared an AsyncIterator; closable
     await asyncio.wait_for(backfill.aclose(), WAIT_S)
     await temp_slots_gone(wide)
     await no_other_sessions(wide)

@@ -15,7 +15,7 @@ from app.protocol.pieces import Pieces, join_text
 from app.sources.postgres import large_rows
 from app.sources.postgres.large_rows import LargeValue, decode_row_chunks, json_string_pieces
 from app.sources.postgres.mapper import ChangeMapper, MappingError, ShardId
-from app.sources.postgres.pgoutput import decode_message
+from app.sources.postgres.pgoutput import UNCHANGED_TOAST, decode_message
 from app.sources.postgres.values import TypeRegistry
 from tests.sources.postgres.test_pgrows import (
     REL_OID,
@@ -130,4 +130,4 @@ def test_decode_row_chunks_keeps_small_values_whole() -> None:
     assert isinstance(big, LargeValue)
     assert big.join() == "x" * 40
     assert null is None
-    assert toast is large_rows.UNCHANGED_TOAST
+    assert toast is UNCHANGED_TOAST

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import cast
 
 import psycopg
 import pytest
@@ -417,7 +418,7 @@ def test_real_slot_changes_decode(wire_db: psycopg.Connection[tuple[object, ...]
         "'proto_version', '1', 'publication_names', 'hpa_pub', 'messages', 'true')",
         (SLOT,),
     ).fetchall()
-    decoded = [decode_message(bytes(data)) for _, data in rows]  # type: ignore[arg-type]
+    decoded = [decode_message(bytes(cast(bytes, data))) for _, data in rows]
     kinds = "".join(
         type(m).__name__[0] if not isinstance(m, LogicalMessage) else "M" for m in decoded
     )
@@ -480,7 +481,7 @@ def test_real_slot_changes_decode(wire_db: psycopg.Connection[tuple[object, ...]
     assert abs(commits[-1].commit_time_us - int(now_us[0])) < 3_600_000_000  # type: ignore[call-overload]
 
 
-def _transactions(messages: list[object]) -> list[list[object]]:
+def _transactions(messages: Sequence[object]) -> list[list[object]]:
     groups: list[list[object]] = []
     current: list[object] | None = None
     for m in messages:

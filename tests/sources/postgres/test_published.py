@@ -81,7 +81,9 @@ async def test_every_column_kind(conn: psycopg.AsyncConnection[Any]) -> None:
         "SELECT 'kinds'::regclass::oid::int8, 'public'::regnamespace::oid::int8, "
         "'mood'::regtype::oid::int8"
     )
-    oid, schema_oid, mood_oid = await cur.fetchone() or ()
+    row = await cur.fetchone()
+    assert row is not None
+    oid, schema_oid, mood_oid = row
     assert (kinds["oid"], kinds["schemaOID"]) == (oid, schema_oid)
 
     cols = kinds["columns"]

@@ -345,7 +345,9 @@ async def test_a_key_change_in_a_large_row_reaches_the_running_backfill(
         assert isinstance(update, Data)
         assert update.body["key"] == {"id": 1}
         assert isinstance(update.body["new"]["big"], JsonPieces)  # the large-frame decoder
-        changed_at = messages[5].watermark  # type: ignore[attr-defined]
+        key_change_commit = messages[5]
+        assert isinstance(key_change_commit, Commit)
+        changed_at = key_change_commit.watermark
         # A batch read before the key change: voided, and the backfill reads again.
         read.feed(batch(req, start, [1, "a"]))
         following = asyncio.ensure_future(take(it, 1))
@@ -354,7 +356,7 @@ async def test_a_key_change_in_a_large_row_reaches_the_running_backfill(
         again.feed(batch(req, changed_at, [5, "b"]))
         (begin,) = await asyncio.wait_for(following, 10)
         assert isinstance(begin, Begin)
-        assert (await take(it, 1))[0].body["watermark"] == changed_at  # type: ignore[attr-defined]
+        assert (await take(it, 1))[0].body["watermark"] == changed_at
     finally:
         await stream.close()
 
