@@ -1,13 +1,15 @@
 from collections import deque
 from typing import Any
 
+from app.protocol.pieces import Text
+
 def select_live(
     changes: list[Any],
     watermark: str,
     unsupported: frozenset[str],
     pushed: int,
-    texts: list[str],
+    texts: list[Text],
     commits: deque[tuple[int, str]],
     /,
 ) -> str: ...
-def running_totals(ends: list[int], messages: list[str], total: int, /) -> int: ...
+def running_totals(ends: list[int], messages: list[Text], total: int, /) -> int: ...

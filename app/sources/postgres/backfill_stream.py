@@ -27,7 +27,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -341,7 +341,7 @@ async def stream_backfill(
     registry: TypeRegistry,
     *,
     batch_bytes: int = BATCH_BYTES,
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncGenerator[dict[str, Any], None]:
     """The request's ``backfill`` message bodies, then its ``backfill-completed``.
 
     Each batch is read in a worker thread when asked for; closing the iterator

@@ -41,7 +41,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -63,7 +63,7 @@ MAX_BACKOFF_S: Final = 60.0
 _BEGIN_BODY: Final = {"tag": "begin", "json": "s", "skipAck": True}
 
 # Reads one request: its backfill message bodies, then backfill-completed.
-BackfillReader = Callable[[BackfillRequest], AsyncIterator[dict[str, Any]]]
+BackfillReader = Callable[[BackfillRequest], AsyncGenerator[dict[str, Any], None]]
 TableKey = tuple[str, str]
 
 
@@ -255,7 +255,7 @@ class BackfillManager:
                 r.ready.append((body, time.monotonic()))
                 self._wake()
         finally:
-            await batches.aclose()  # type: ignore[attr-defined]
+            await batches.aclose()
 
     def _read_ended(self, r: _Running, task: asyncio.Task[None]) -> None:
         if task.cancelled() or r.canceled is not None:

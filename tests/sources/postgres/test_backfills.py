@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -127,7 +127,7 @@ class Read:
     def fail(self, error: BaseException) -> None:
         self._items.put_nowait(error)
 
-    async def bodies(self) -> AsyncIterator[dict[str, Any]]:
+    async def bodies(self) -> AsyncGenerator[dict[str, Any], None]:
         try:
             while True:
                 item = await self._items.get()
@@ -152,7 +152,7 @@ class Reads:
         self.woken = 0
         self.script: dict[str, list[list[Any]]] = {}
 
-    def __call__(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    def __call__(self, req: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         read = Read(req, self.changes)
         scripted = self.script.get(req["table"]["name"])
         for item in scripted.pop(0) if scripted else []:
