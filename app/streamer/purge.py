@@ -7,14 +7,11 @@ transaction and checks ownership) and reads the purge constraints through
 callables: the acked watermarks of connected subscribers and the watermarks held by
 confirmed snapshot reservations.
 
-Two triggers, used by different deployments:
-
-* ``track_backup_watermark`` [new]: level-triggered. Whenever the backup is ahead of
-  what was purged, one purge runs ``delay_s`` later, down to the lowest of the
-  backup watermark, every subscriber's ack and every reserved watermark.
-* ``schedule_cleanup`` [1.9]: the replica monitor / 1.9 backup monitors hand in
-  candidate watermarks; each pass purges below the oldest candidate, unless a
-  subscriber (or reservation) is behind it.
+One trigger, ``track_backup_watermark``, level-triggered: whenever the backup is
+ahead of what was purged, one purge runs ``delay_s`` later, down to the lowest of
+the backup watermark, every subscriber's ack and every reserved watermark. (Zero
+1.9's second trigger, ``scheduleCleanup``, candidates handed in by its replica
+monitor, has no caller here: every configuration's backup monitor feeds this one.)
 
 The delay (30 s = 3 × the subscribers' maximum reconnect backoff) gives subscribers
 that just lost their connection time to come back and expose their position before
@@ -23,7 +20,7 @@ to the longest time a snapshot reservation took from open to subscribe (seed 001
 so a view-syncer that started restoring an older backup still finds its changes.
 ``paused`` (also a callable) returns why purging must wait — while any snapshot
 reservation is open nothing is purged — and the pass is retried a delay later.
-Purges never overlap: both triggers feed one task.
+Purges never overlap: they run in one task.
 
 ``floor`` and ``floor_holder`` say where the last backup-path pass put the floor
 and which constraint held it there (for ``/statz`` and metrics).
@@ -125,12 +122,6 @@ class Purger:
         self._backup_busy = False  # timer armed, or its pass queued / running
         self._backup_due = False
 
-        # scheduleCleanup path.
-        self._candidates: set[str] = set()
-        self._cleanup_timer: TimerHandle | None = None
-        self._cleanup_busy = False
-        self._cleanup_due = False
-
         self._runner: asyncio.Task[None] | None = None
 
     # -- inputs ---------------------------------------------------------------
@@ -140,14 +131,6 @@ class Purger:
         if self._backup is None or watermark > self._backup:
             self._backup = watermark
         self._maybe_schedule_backup_purge()
-
-    def schedule_cleanup(self, watermark: str) -> None:
-        """[1.9] Offers ``watermark`` (a backed-up or replicated position) for cleanup."""
-        if self._stopped:
-            return
-        self._candidates.add(watermark)
-        if not self._cleanup_busy:
-            self._arm_cleanup()
 
     async def stop(self) -> None:
         """Cancels pending timers and any running purge (its transaction rolls back)."""
@@ -159,10 +142,9 @@ class Purger:
 
     def _halt(self) -> None:
         self._stopped = True
-        for handle in (self._backup_timer, self._cleanup_timer):
-            if handle is not None:
-                handle.cancel()
-        self._backup_timer = self._cleanup_timer = None
+        if self._backup_timer is not None:
+            self._backup_timer.cancel()
+        self._backup_timer = None
 
     async def idle(self) -> None:
         """Waits until no purge is queued or running (timers may still be armed)."""
@@ -175,11 +157,6 @@ class Purger:
     def purged_watermark(self) -> str:
         """Everything below this was purged by the backup path ("" = nothing yet)."""
         return self._purged
-
-    @property
-    def cleanup_candidates(self) -> frozenset[str]:
-        """Watermarks offered by ``schedule_cleanup`` and not purged yet."""
-        return frozenset(self._candidates)
 
     # -- trackBackupWatermark path ---------------------------------------------
 
@@ -234,39 +211,6 @@ class Purger:
             return [(w, f"subscriber {name}") for name, w in self._named_acks()]
         return [(w, "subscriber") for w in self._subscriber_acks()]
 
-    # -- scheduleCleanup path ---------------------------------------------------
-
-    def _arm_cleanup(self) -> None:
-        self._cleanup_busy = True
-        self._cleanup_timer = self._timers.call_later(self._delay(), self._on_cleanup_timer)
-
-    def _on_cleanup_timer(self) -> None:
-        self._cleanup_timer = None
-        self._cleanup_due = True
-        self._ensure_runner()
-
-    async def _cleanup_pass(self) -> None:
-        if not self._candidates:
-            self._log.warning("change log cleanup ran with no watermarks to clean up")
-            return
-        acks = list(self._subscriber_acks())
-        if not acks:
-            # Without subscribers nobody has shown how far they got: a view-syncer
-            # that is reconnecting may still need the entries.
-            self._log.warning("no subscribers to confirm cleanup of the change log; skipping")
-            return
-        earliest_candidate = min(self._candidates)
-        earliest_needed = min([*acks, *self._reserved()])
-        if earliest_needed < earliest_candidate:
-            self._log.info(
-                "At least one client is behind backup (%s < %s): skipping cleanup",
-                earliest_needed,
-                earliest_candidate,
-            )
-            return
-        if await self._attempt(earliest_candidate):
-            self._candidates.discard(earliest_candidate)
-
     # -- the runner -------------------------------------------------------------
 
     def _ensure_runner(self) -> None:
@@ -275,23 +219,14 @@ class Purger:
         self._runner = asyncio.get_running_loop().create_task(self._run(), name="change-log purge")
 
     async def _run(self) -> None:
-        while not self._stopped and (self._backup_due or self._cleanup_due):
-            if self._backup_due:
-                self._backup_due = False
-                try:
-                    await self._guarded(self._purge_to_backup_floor)
-                finally:
-                    self._backup_busy = False
-                # Level-triggered: re-arm while the backup is ahead of the purge.
-                self._maybe_schedule_backup_purge()
-            if self._cleanup_due and not self._stopped:
-                self._cleanup_due = False
-                try:
-                    await self._guarded(self._cleanup_pass)
-                finally:
-                    self._cleanup_busy = False
-                if self._candidates and not self._stopped:
-                    self._arm_cleanup()
+        while not self._stopped and self._backup_due:
+            self._backup_due = False
+            try:
+                await self._guarded(self._purge_to_backup_floor)
+            finally:
+                self._backup_busy = False
+            # Level-triggered: re-arm while the backup is ahead of the purge.
+            self._maybe_schedule_backup_purge()
 
     async def _guarded(self, run_pass: Callable[[], Awaitable[None]]) -> None:
         # A failing constraint callable must not kill the runner; the next pass

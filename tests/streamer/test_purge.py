@@ -24,9 +24,8 @@ from app.storage import (
 from app.streamer.purge import CLEANUP_DELAY_S, CommitClock, Purger
 from app.streamer.timers import ManualTimers
 
-# What each path logs when something older holds the purge back: the backup path names
-# the holder; the schedule_cleanup path says it as zero-cache does.
-BEHIND = ("purging only up to", "At least one client is behind backup")
+# What a purge pass logs when something older holds it back (it names the holder).
+BEHIND = ("purging only up to",)
 
 
 class FakePurge:
@@ -239,21 +238,17 @@ async def test_ownership_loss_goes_to_on_fatal_and_stops_purging(world: World) -
     world.purge.errors[:] = [lost]
     world.acks[:] = ["09"]
     world.purger.track_backup_watermark("05")
-    world.purger.schedule_cleanup("03")
-    world.purger.schedule_cleanup("04")
     await world.fire()
     assert world.fatal == [lost]
-    assert world.purge.calls == ["05"]  # the cleanup pass due at the same time never ran
+    assert world.purge.calls == ["05"]
     assert world.timers.pending() == []
 
     world.purger.track_backup_watermark("09")
-    world.purger.schedule_cleanup("09")
     assert world.timers.pending() == []
 
 
 async def test_stop_cancels_the_armed_timer(world: World) -> None:
     world.purger.track_backup_watermark("05")
-    world.purger.schedule_cleanup("05")
     await world.purger.stop()
     assert world.timers.pending() == []
     world.timers.advance(CLEANUP_DELAY_S)
@@ -272,89 +267,6 @@ async def test_stop_cancels_a_running_purge(world: World) -> None:
     assert world.purge.cancelled
     assert world.purger.purged_watermark == ""
     assert world.timers.pending() == []
-
-
-# -- [1.9] scheduleCleanup ----------------------------------------------------------
-
-
-async def test_cleanup_arms_one_30_s_timer_per_batch(world: World) -> None:
-    world.acks[:] = ["09"]
-    world.purger.schedule_cleanup("05")
-    world.purger.schedule_cleanup("03")
-    assert world.timers.armed == [30.0]
-
-    await world.fire()  # one watermark per pass: the oldest
-    assert world.purge.calls == ["03"]
-    assert world.purger.cleanup_candidates == {"05"}
-    assert world.timers.pending() == [30.0]
-
-    await world.fire()
-    assert world.purge.calls == ["03", "05"]
-    assert world.purger.cleanup_candidates == set()
-    assert world.timers.pending() == []
-    assert world.timers.armed == [30.0, 30.0]
-
-
-async def test_cleanup_is_skipped_without_subscribers(
-    world: World, caplog: pytest.LogCaptureFixture
-) -> None:
-    world.purger.schedule_cleanup("05")
-    await world.fire()
-    assert world.purge.calls == []
-    assert "no subscribers" in caplog.text
-    assert world.timers.pending() == [30.0]  # the watermark is kept for later
-
-    world.acks[:] = ["06"]
-    await world.fire()
-    assert world.purge.calls == ["05"]
-
-
-async def test_cleanup_is_skipped_while_a_subscriber_is_behind(
-    world: World, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="app.streamer.purge")
-    world.acks[:] = ["04", "09"]
-    world.purger.schedule_cleanup("05")
-    await world.fire()
-    assert world.purge.calls == []
-    assert behind_logs(caplog) == 1
-
-    world.acks[:] = ["05", "09"]  # at the candidate is enough
-    await world.fire()
-    assert world.purge.calls == ["05"]
-
-
-async def test_cleanup_respects_reservations(world: World) -> None:
-    world.acks[:] = ["09"]
-    world.reserved[:] = ["04"]
-    world.purger.schedule_cleanup("05")
-    await world.fire()
-    assert world.purge.calls == []
-
-
-async def test_cleanup_errors_keep_the_watermark_for_the_next_pass(world: World) -> None:
-    world.acks[:] = ["09"]
-    world.purge.errors[:] = [RuntimeError("boom")]
-    world.purger.schedule_cleanup("05")
-    await world.fire()
-    assert world.purger.cleanup_candidates == {"05"}
-    await world.fire()
-    assert world.purge.calls == ["05", "05"]
-    assert world.purger.cleanup_candidates == set()
-
-
-async def test_cleanup_added_during_a_pass_is_not_double_armed(world: World) -> None:
-    world.acks[:] = ["09"]
-    world.purge.gate = asyncio.Event()
-    world.purger.schedule_cleanup("05")
-    world.timers.advance(CLEANUP_DELAY_S)
-    await asyncio.sleep(0)
-    world.purger.schedule_cleanup("07")
-    assert world.timers.pending() == []
-    world.purge.gate.set()
-    await world.purger.idle()
-    assert world.timers.pending() == [30.0]
-    assert world.purger.cleanup_candidates == {"07"}
 
 
 # -- against a real change DB ---------------------------------------------------------
