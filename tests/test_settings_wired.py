@@ -26,16 +26,15 @@ from app.runtime.memory_limit import back_pressure_bytes, memory_limit_bytes
 from app.runtime.options import streamer_options
 from app.storage import (
     ChangeDbOptions,
-    Replication,
     Shard,
     StoredRow,
-    SubscriptionState,
     create_change_db,
     migrate,
     parse_change_db_url,
 )
 from app.streamer.service import ChangeStreamerService
 from app.streamer.subscriber import Change
+from tests.change_dbs import migrated
 from tests.memory_source import MemoryChangeSource
 from tests.pgdb import scratch_database
 
@@ -218,9 +217,7 @@ async def sqlite_db(tmp_path: Path) -> AsyncIterator[Any]:
         Shard(),
         ChangeDbOptions(sqlite_writer="thread"),
     )
-    await migrate(db)
-    await Replication(db).ensure_config(SubscriptionState("01", (), "01"), auto_reset=True)
-    await Replication(db).assume_ownership("owner", "127.0.0.1:1")
+    await migrated(db, auto_reset=True, owner="owner", address="127.0.0.1:1")
     try:
         yield db
     finally:

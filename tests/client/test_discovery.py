@@ -9,23 +9,20 @@ import pytest
 from app.client import DiscoveryError, NoChangeStreamerError, discover
 from app.client.discovery import address_to_url
 from app.storage import (
-    Replication,
     Shard,
-    SubscriptionState,
     create_change_db,
-    migrate,
     parse_change_db_url,
 )
+from tests.change_dbs import migrated
 
 
 async def change_db(path: Path, shard: Shard, address: str | None) -> str:
     db = create_change_db(parse_change_db_url(str(path)), shard)
     try:
-        await migrate(db)
-        replication = Replication(db)
-        await replication.ensure_config(SubscriptionState("01", (), "01"), auto_reset=False)
-        if address is not None:
-            await replication.assume_ownership("task-1", address)
+        if address is None:
+            await migrated(db)
+        else:
+            await migrated(db, owner="task-1", address=address)
     finally:
         await db.dispose()
     return str(path)

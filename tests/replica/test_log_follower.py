@@ -26,7 +26,8 @@ from app.runtime.log_follower import (
     messages_from_rows,
 )
 from app.runtime.replica_follower import ReplicaFollower, parse_line
-from app.storage import ChangeDb, ChangeLog, ChangeRow, Replication, StoredRow, SubscriptionState
+from app.storage import ChangeDb, ChangeLog, ChangeRow, StoredRow
+from tests.change_dbs import migrated
 from tests.storage.conftest import drop_schema, make_db
 
 from .conftest import create_index, create_table, insert, rows
@@ -46,14 +47,10 @@ def tx(watermark: str, *changes: dict[str, Any]) -> list[ChangeRow]:
 async def change_db(
     request: pytest.FixtureRequest, tmp_path: Path, pg_url: str
 ) -> AsyncIterator[ChangeDb]:
-    from app.storage import migrate
 
     db = make_db(request.param, tmp_path, pg_url)
     try:
-        await migrate(db)
-        replication = Replication(db)
-        await replication.ensure_config(SubscriptionState("01", ("pub",), "01"), auto_reset=False)
-        await replication.assume_ownership(OWNER, "127.0.0.1:4849")
+        await migrated(db, publications=("pub",), owner=OWNER)
         yield db
     finally:
         await drop_schema(db)
@@ -138,12 +135,7 @@ async def test_the_child_applies_each_commit_it_is_told_of_and_stops_with_the_se
     tmp_path: Path, replica: Path, pg_url: str
 ) -> None:
     db = make_db("sqlite", tmp_path, pg_url)
-    from app.storage import migrate
-
-    await migrate(db)
-    replication = Replication(db)
-    await replication.ensure_config(SubscriptionState("01", ("pub",), "01"), auto_reset=False)
-    await replication.assume_ownership(OWNER, "127.0.0.1:4849")
+    await migrated(db, publications=("pub",), owner=OWNER)
     log = ChangeLog(db)
     await log.commit_rows(OWNER, tx("02", create_table(), create_index()), "02")
     # No poll within the test: only the line on stdin can wake it.
@@ -176,10 +168,7 @@ async def test_the_child_ends_when_its_parent_is_gone(
 ) -> None:
     """stdin's EOF is how a SIGKILLed serve's child learns it is an orphan."""
     db = make_db("sqlite", tmp_path, pg_url)
-    from app.storage import migrate
-
-    await migrate(db)
-    await Replication(db).ensure_config(SubscriptionState("01", ("pub",), "01"), auto_reset=False)
+    await migrated(db, publications=("pub",))
     await db.dispose()
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -209,13 +198,10 @@ async def test_the_child_ends_when_its_parent_is_gone(
 async def test_the_child_exits_for_a_resync_and_is_not_restarted(
     tmp_path: Path, pg_url: str
 ) -> None:
-    from app.storage import migrate
-
     from .conftest import new_replica
 
     db = make_db("sqlite", tmp_path, pg_url)
-    await migrate(db)
-    await Replication(db).ensure_config(SubscriptionState("01", ("pub",), "01"), auto_reset=False)
+    await migrated(db, publications=("pub",))
     await db.dispose()
     other = new_replica(tmp_path / "other.db", version="00")
     follower = ReplicaFollower(other, str(db.url.database), db.shard)
@@ -251,12 +237,7 @@ async def test_the_child_gets_no_secret_of_the_parent_s_environment(
     monkeypatch.setenv("ZERO_OPERATOR_PASSWORD", "operator-secret-1")
     monkeypatch.setenv("ZERO_UPSTREAM_DB", "postgresql://u:upstream-secret-1@127.0.0.1/db")
     db = make_db("sqlite", tmp_path, pg_url)
-    from app.storage import migrate
-
-    await migrate(db)
-    replication = Replication(db)
-    await replication.ensure_config(SubscriptionState("01", ("pub",), "01"), auto_reset=False)
-    await replication.assume_ownership(OWNER, "127.0.0.1:4849")
+    await migrated(db, publications=("pub",), owner=OWNER)
     await ChangeLog(db).commit_rows(OWNER, tx("02", create_table(), create_index()), "02")
     follower = ReplicaFollower(replica, str(db.url.database), db.shard, poll_s=3600)
     running = asyncio.create_task(follower.run())

@@ -18,14 +18,12 @@ from app.server.http_protocol import GuardedHttpProtocol
 from app.server.ws_protocol import LivenessProtocol
 from app.storage import (
     ChangeDb,
-    Replication,
     Shard,
-    SubscriptionState,
     create_change_db,
-    migrate,
     parse_change_db_url,
 )
 from app.streamer.service import ChangeStreamerService, StreamerOptions
+from tests.change_dbs import migrated
 from tests.memory_source import MemoryChangeSource
 
 REPLICA_VERSION = "01"
@@ -55,10 +53,7 @@ async def new_service(
     """A service over a fresh, migrated SQLite log at the replica version, fed by a
     scripted source (quick reconnects)."""
     db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
-    await migrate(db)
-    await Replication(db).ensure_config(
-        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
-    )
+    await migrated(db, replica_version=REPLICA_VERSION)
     source = MemoryChangeSource()
     service = ChangeStreamerService(
         db=db,

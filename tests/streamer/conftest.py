@@ -9,13 +9,11 @@ import pytest
 
 from app.storage import (
     ChangeDb,
-    Replication,
     Shard,
-    SubscriptionState,
     create_change_db,
-    migrate,
     parse_change_db_url,
 )
+from tests.change_dbs import migrated
 
 REPLICA_VERSION = "01"
 OWNER = "owner"
@@ -24,12 +22,9 @@ OWNER = "owner"
 @pytest.fixture
 async def change_db(tmp_path: Path) -> AsyncIterator[ChangeDb]:
     db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
-    await migrate(db)
-    replication = Replication(db)
-    await replication.ensure_config(
-        SubscriptionState(REPLICA_VERSION, ("pub",), REPLICA_VERSION), auto_reset=True
+    await migrated(
+        db, replica_version=REPLICA_VERSION, publications=("pub",), auto_reset=True, owner=OWNER
     )
-    await replication.assume_ownership(OWNER, "127.0.0.1:4849")
     try:
         yield db
     finally:

@@ -22,12 +22,11 @@ from app.sources.base import BackfillRequest, ChangeSource, ChangeStream
 from app.storage import (
     Replication,
     Shard,
-    SubscriptionState,
     create_change_db,
-    migrate,
     parse_change_db_url,
 )
 from app.streamer.service import ChangeStreamerService
+from tests.change_dbs import migrated
 
 REPLICA_VERSION = "01"
 
@@ -91,11 +90,8 @@ class GeneratingSource(ChangeSource):
 
 async def main(db_path: str, events_path: str) -> None:
     db = create_change_db(parse_change_db_url(db_path), Shard())
-    await migrate(db)
+    await migrated(db, replica_version=REPLICA_VERSION)
     replication = Replication(db)
-    await replication.ensure_config(
-        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
-    )
     state = await replication.state()
     assert state is not None
     with open(events_path, "a", encoding="utf-8") as events:  # noqa: ASYNC230 - set-up, once

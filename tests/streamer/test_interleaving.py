@@ -27,16 +27,14 @@ from app.protocol.codec import change_tag
 from app.protocol.lexi import to_lexi
 from app.storage import (
     ChangeLog,
-    Replication,
     Shard,
-    SubscriptionState,
     create_change_db,
-    migrate,
     parse_change_db_url,
 )
 from app.streamer.downstream import DownstreamClosed
 from app.streamer.service import ChangeStreamerService, StreamerOptions, SubscriberContext
 from app.streamer.timers import ManualTimers
+from tests.change_dbs import migrated
 from tests.memory_source import MemoryChangeSource, MemoryChangeStream
 
 from .helpers import whole
@@ -189,11 +187,7 @@ def stop_target(stop: asyncio.Event) -> str:
 async def run_seed(seed: int, tmp_path: Path) -> None:
     rng = random.Random(seed)
     db = create_change_db(parse_change_db_url(str(tmp_path / f"cdc-{seed}.db")), Shard())
-    await migrate(db)
-    replication = Replication(db)
-    await replication.ensure_config(
-        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=False
-    )
+    await migrated(db, replica_version=REPLICA_VERSION)
     source = MemoryChangeSource()
     service = ChangeStreamerService(
         db=db,

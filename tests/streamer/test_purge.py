@@ -16,13 +16,12 @@ from app.storage import (
     PurgeLockedError,
     Replication,
     Shard,
-    SubscriptionState,
     create_change_db,
-    migrate,
     parse_change_db_url,
 )
 from app.streamer.purge import CLEANUP_DELAY_S, CommitClock, Purger
 from app.streamer.timers import ManualTimers
+from tests.change_dbs import migrated
 
 # What a purge pass logs when something older holds it back (it names the holder).
 BEHIND = ("purging only up to",)
@@ -287,10 +286,8 @@ async def test_purges_a_real_change_log_but_keeps_the_newest_transaction(
 ) -> None:
     db = create_change_db(parse_change_db_url(str(tmp_path / "cdc.db")), Shard())
     try:
-        await migrate(db)
+        await migrated(db, publications=("pub",), owner=OWNER)
         replication = Replication(db)
-        await replication.ensure_config(SubscriptionState("01", ("pub",), "01"), auto_reset=False)
-        await replication.assume_ownership(OWNER, "127.0.0.1:4849")
         log = ChangeLog(db)
         for w in ("02", "03", "04"):
             async with log.write(OWNER) as tx:

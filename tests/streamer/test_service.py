@@ -21,9 +21,7 @@ from app.storage import (
     OwnershipLostError,
     Replication,
     Shard,
-    SubscriptionState,
     create_change_db,
-    migrate,
     parse_change_db_url,
 )
 from app.streamer import loop_lag
@@ -38,6 +36,7 @@ from app.streamer.service import (
 from app.streamer.subscriber import Mode
 from app.streamer.timers import ManualTimers
 from app.versions import PROBE_REPLICA_VERSION
+from tests.change_dbs import migrated
 from tests.memory_source import MemoryChangeSource, MemoryChangeStream
 
 from .conftest import OWNER, REPLICA_VERSION
@@ -674,11 +673,7 @@ async def test_an_abort_error_from_the_source_stops_the_service(svc: Service) ->
 async def test_a_dropped_change_log_schema_stops_the_service_cleanly(pg_url: str) -> None:
     shard = Shard(f"drop{os.getpid()}", 0)
     db = create_change_db(parse_change_db_url(pg_url), shard)
-    await migrate(db)
-    replication = Replication(db)
-    await replication.ensure_config(
-        SubscriptionState(REPLICA_VERSION, (), REPLICA_VERSION), auto_reset=True
-    )
+    await migrated(db, replica_version=REPLICA_VERSION, auto_reset=True)
     s = Service(db)
     try:
         stream = await s.stream()
