@@ -68,6 +68,7 @@ from app.streamer.reservations import (
 from app.streamer.rowrun import encode_rows
 from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, DEFAULT_GROUP_MAX_ROWS, Storer
 from app.streamer.subscriber import Change, Mode, Subscriber, new_change, subscriber_log_fields
+from app.streamer.tail import DEFAULT_TAIL_BYTES
 from app.streamer.timers import LoopTimers, Timers
 from app.timeouts import within
 from app.versions import PROBE_REPLICA_VERSION
@@ -155,6 +156,9 @@ class StreamerOptions:
     purge_delay_s: float = CLEANUP_DELAY_S
     # Keep at least this much recent change log, whatever else allows (0: off).
     change_log_retention_s: float = 0.0
+    # Change text of the last durable transactions kept in memory for catch-ups
+    # that start among them (app.streamer.tail; 0: every catch-up reads the log).
+    catchup_tail_bytes: int = DEFAULT_TAIL_BYTES
 
 
 class BackupState(Protocol):
@@ -216,6 +220,7 @@ class ChangeStreamerService:
             statement_timeout_s=self.options.statement_timeout_s,
             group_max_rows=self.options.change_log_batch_size,
             hold_catchups_until_owned=taking_over,
+            tail_bytes=self.options.catchup_tail_bytes,
         )
         self._commit_clock = (
             CommitClock(self.options.change_log_retention_s, self._timers.monotonic)

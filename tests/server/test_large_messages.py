@@ -101,8 +101,7 @@ async def spying_read(read: Any, kinds: list[type], *args: Any, **kwargs: Any) -
 
 @pytest.mark.parametrize("tail_bytes", [16 << 20, 0], ids=["from-memory", "from-the-log"])
 async def test_a_large_change_is_caught_up(tmp_path: Path, tail_bytes: int) -> None:
-    async for server in start_server(tmp_path):
-        server.service.storer._tail._budget = tail_bytes
+    async for server in start_server(tmp_path, catchup_tail_bytes=tail_bytes):
         async with connect(f"{server.url}/replication/v6/changes?id=live&{QUERY}") as ws:
             await read_messages(ws, 1)
             stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
@@ -187,8 +186,7 @@ async def test_nothing_holds_a_large_change_once_it_is_stored_and_consumed(
     """Memory comes back: with the tail off, no stage keeps the change's pieces
     (the storer's loop once held its last group while it awaited the next). Only
     this test's change counts (an earlier test's server may still be alive)."""
-    async for server in start_server(tmp_path):
-        server.service.storer._tail._budget = 0
+    async for server in start_server(tmp_path, catchup_tail_bytes=0):
         url = f"{server.url}/replication/v6/changes?id=live&{QUERY}"
         async with connect(url, max_size=None) as ws:
             await read_messages(ws, 1)
