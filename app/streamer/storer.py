@@ -67,10 +67,8 @@ CATCHUP_BATCH = 2000
 # A catch-up's first read; each next one doubles up to CATCHUP_BATCH. Under churn
 # (subscribers that reconnect and leave again) a full first batch was decoded for
 # every one of them: 40 % of the event loop in bench.churn. The first two batches
-# are also what a client that never reads holds (one sent, one read): with 64 a
-# 2,000-connection flood (1,000 such subscribers) left serve's RSS 62 MiB above
-# its level, with 8 about 40 (pymalloc keeps the arenas the flood's objects were
-# spread over; a second flood reuses them: bench.churn --floods 2, session 19).
+# are also what a client that never reads holds (one sent, one read), so a flood
+# of them costs little (docs/reliability.md, "Churn and floods").
 CATCHUP_FIRST_BATCH = 8
 # Catch-ups reading a batch of the log at the same time (the rest queue for a turn).
 MAX_CONCURRENT_CATCHUPS = 4
