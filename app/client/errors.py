@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from app.client.credentials import REPLICATION_PASSWORD_ENV
-from app.protocol.downstream import DownstreamError
 from app.protocol.errors import ErrorType
+from app.protocol.subscription_messages import DownstreamError
 
 __all__ = [
     "ChangeStreamerError",

@@ -28,8 +28,8 @@ from typing import Protocol, TextIO
 from app.client.change_text import describe_change
 from app.client.subscription import SubscriptionMessage
 from app.protocol.canonical_json import dumps
-from app.protocol.downstream import DownstreamStatus
 from app.protocol.messages import Begin, Commit, Data, Rollback
+from app.protocol.subscription_messages import DownstreamStatus
 
 __all__ = ["MessagePrinter", "Printer", "message_printer"]
 

@@ -33,8 +33,8 @@ from typing import Any, Protocol
 from app.client.channel import Channel, ChannelEnded
 from app.client.errors import ClientError, ConnectionLostError, InvalidMessageError
 from app.client.subscription import Subscription, SubscriptionContext
-from app.protocol.downstream import DownstreamStatus, parse_downstream_message
 from app.protocol.messages import MessageValidationError
+from app.protocol.subscription_messages import DownstreamStatus, parse_downstream_message
 
 __all__ = [
     "ReservationFollowup",

@@ -1,7 +1,7 @@
 """A ``/replication/v{N}/changes`` subscription (wire.md §2.3).
 
 A :class:`Subscription` is an async iterator of parsed downstream messages:
-:class:`~app.protocol.downstream.DownstreamStatus`,
+:class:`~app.protocol.subscription_messages.DownstreamStatus`,
 :class:`~app.protocol.messages.Begin`, :class:`~app.protocol.messages.Data`,
 :class:`~app.protocol.messages.Commit` and :class:`~app.protocol.messages.Rollback`
 (the frozen dataclasses of :mod:`app.protocol`; ``msg.kind`` tells them apart
@@ -38,8 +38,12 @@ from typing import Any, Literal, Protocol, Self
 
 from app.client.channel import Channel, ChannelEnded
 from app.client.errors import InvalidMessageError, error_from_message
-from app.protocol.downstream import DownstreamError, DownstreamStatus, parse_downstream_message
 from app.protocol.messages import Begin, Commit, Data, MessageValidationError, Rollback
+from app.protocol.subscription_messages import (
+    DownstreamError,
+    DownstreamStatus,
+    parse_downstream_message,
+)
 
 __all__ = ["MessageSource", "Mode", "Subscription", "SubscriptionContext", "SubscriptionMessage"]
 

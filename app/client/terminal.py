@@ -29,8 +29,8 @@ from rich.text import Text
 from app.client.change_text import change_parts
 from app.client.subscription import SubscriptionMessage
 from app.protocol.canonical_json import dumps
-from app.protocol.downstream import DownstreamStatus
 from app.protocol.messages import Begin, Commit, Data, Rollback
+from app.protocol.subscription_messages import DownstreamStatus
 
 __all__ = ["TableMessagePrinter", "print_statz"]
 

@@ -69,7 +69,6 @@ from app.client.errors import (
 from app.client.reservation import SnapshotStatus, snapshot_status_from_body
 from app.client.subscription import Subscription, SubscriptionContext, SubscriptionMessage
 from app.protocol.canonical_json import dumps, loads
-from app.protocol.downstream import DownstreamError, parse_downstream_message
 from app.protocol.envelope import (
     AckError,
     Envelope,
@@ -78,6 +77,7 @@ from app.protocol.envelope import (
     envelope_from_value,
 )
 from app.protocol.messages import MessageValidationError
+from app.protocol.subscription_messages import DownstreamError, parse_downstream_message
 from app.protocol.wsframes import envelope_texts
 
 __all__ = [

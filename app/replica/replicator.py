@@ -32,8 +32,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from app.protocol.downstream import DownstreamStatus
 from app.protocol.messages import Begin, Commit, Control, Data, Rollback, Status
+from app.protocol.subscription_messages import DownstreamStatus
 from app.replica.errors import ReplicaError, ResyncRequiredError
 from app.replica.writer import CommitResult, ReplicaWriter, WriterMode
 

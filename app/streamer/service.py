@@ -38,7 +38,6 @@ from sqlalchemy.exc import DBAPIError
 from app.backoff import Backoff
 from app.protocol.canonical_json import dumps, dumps_text
 from app.protocol.codec import data_message, reconstruct
-from app.protocol.downstream import SYNTHETIC_ROLLBACK_JSON
 from app.protocol.errors import ErrorType
 from app.protocol.messages import (
     Begin,
@@ -49,6 +48,7 @@ from app.protocol.messages import (
     Rollback,
     Status,
 )
+from app.protocol.subscription_messages import SYNTHETIC_ROLLBACK_JSON
 from app.sources.base import ChangeSource, ChangeStream
 from app.stop_signals import AbortError, AutoResetSignal
 from app.storage import ChangeDb, ChangeLog, ChangeLogState, Replication

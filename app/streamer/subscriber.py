@@ -34,9 +34,9 @@ from typing import Any, Literal, NamedTuple
 
 from app import speedups
 from app.logs import log_extra
-from app.protocol.downstream import status_json
 from app.protocol.errors import ErrorType, error_message_json
 from app.protocol.pieces import Text
+from app.protocol.subscription_messages import status_json
 from app.streamer.downstream import Downstream
 
 log = logging.getLogger(__name__)

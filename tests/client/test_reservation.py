@@ -13,7 +13,7 @@ from app.client import (
     SnapshotStatus,
     SubscriptionContext,
 )
-from app.protocol.downstream import DownstreamStatus
+from app.protocol.subscription_messages import DownstreamStatus
 
 from .conftest import REPLICA_VERSION, TIMEOUT, Server, txn, wait_until
 

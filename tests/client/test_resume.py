@@ -21,8 +21,8 @@ from app.client import (
 from app.client.resume import backoff_delays
 from app.client.subscription import SubscriptionMessage
 from app.protocol.canonical_json import dumps
-from app.protocol.downstream import DownstreamStatus
 from app.protocol.messages import Begin, Commit, Data, Rollback
+from app.protocol.subscription_messages import DownstreamStatus
 
 from .conftest import (
     REPLICA_VERSION,

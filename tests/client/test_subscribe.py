@@ -23,9 +23,9 @@ from app.client import (
     WrongReplicaVersionError,
 )
 from app.client.subscription import SubscriptionMessage
-from app.protocol.downstream import DownstreamStatus
 from app.protocol.errors import ErrorType
 from app.protocol.messages import Begin, Commit, Data
+from app.protocol.subscription_messages import DownstreamStatus
 
 from .conftest import (
     REPLICA_VERSION,

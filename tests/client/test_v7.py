@@ -24,9 +24,9 @@ from app.client import (
 from app.client.subscription import SubscriptionMessage
 from app.client.v7 import V7Message, start_subscription_message
 from app.protocol.canonical_json import dumps, loads
-from app.protocol.downstream import DownstreamStatus
 from app.protocol.errors import ErrorType
 from app.protocol.messages import Begin, Commit, Data
+from app.protocol.subscription_messages import DownstreamStatus
 
 from .conftest import (
     REPLICA_VERSION,

@@ -7,15 +7,15 @@ from typing import Any
 import pytest
 
 from app.protocol.canonical_json import dumps, loads
-from app.protocol.downstream import (
+from app.protocol.errors import ErrorType, error_message_json
+from app.protocol.messages import Begin, Commit, Data, MessageValidationError, Rollback
+from app.protocol.subscription_messages import (
     SYNTHETIC_ROLLBACK_JSON,
     DownstreamError,
     DownstreamStatus,
     parse_downstream_message,
     status_json,
 )
-from app.protocol.errors import ErrorType, error_message_json
-from app.protocol.messages import Begin, Commit, Data, MessageValidationError, Rollback
 
 LAG = {
     "lastTimings": {"sendTimeMs": 150, "commitTimeMs": 151, "receiveTimeMs": 152},

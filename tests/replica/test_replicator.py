@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from app.protocol.downstream import DownstreamError, parse_downstream_message
 from app.protocol.messages import parse_change_source_message
+from app.protocol.subscription_messages import DownstreamError, parse_downstream_message
 from app.replica.errors import ReplicaError, ResyncRequiredError
 from app.replica.replicator import ReplicaMessage, Replicator
 from app.replica.writer import CommitResult
