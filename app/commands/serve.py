@@ -52,7 +52,7 @@ from app.runtime.postgres import (
     postgres_service,
     prepare_upstream,
 )
-from app.server.admin import AdminAuth, check_startup
+from app.server.admin_auth import AdminAuth, check_startup
 from app.server.app import create_app
 from app.server.http_protocol import GuardedHttpProtocol
 from app.server.log_lines import limit_lines

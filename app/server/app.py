@@ -16,12 +16,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from app.server.admin import AdminAuth, admin_router, service_stats
+from app.server.admin import admin_router
+from app.server.admin_auth import AdminAuth
 from app.server.dashboard import dashboard_router
 from app.server.health import health_router
 from app.server.http_protocol import PendingLimits
 from app.server.metrics import metrics_router
 from app.server.replication import router as replication_router
+from app.server.statz import service_stats
 from app.storage import ChangeDb
 from app.streamer.service import ChangeStreamerService
 

@@ -44,9 +44,10 @@ from fastapi.responses import JSONResponse, Response
 
 from app.protocol.canonical_json import dumps
 from app.protocol.lexi import watermark_fraction
-from app.server.admin import AdminAuth, Role, service_stats
+from app.server.admin_auth import AdminAuth, Role
 from app.server.dashboard_feed import MAX_LIFETIME_S, SnapshotFeed
 from app.server.metric_values import MetricValues, StreamerReadings, latest_lag_report
+from app.server.statz import service_stats
 from app.streamer.service import ChangeStreamerService
 from app.timeouts import within
 

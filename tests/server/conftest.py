@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from app.server.admin import AdminAuth
+from app.server.admin_auth import AdminAuth
 from app.server.app import create_app
 from app.server.http_protocol import GuardedHttpProtocol
 from app.server.ws_protocol import LivenessProtocol

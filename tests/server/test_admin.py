@@ -24,20 +24,11 @@ from fastapi import FastAPI
 from app import speedups
 from app.commands.serve import proxy_header_options
 from app.protocol import canonical_json, wsframes
-from app.server.admin import (
-    STARTUP_ERROR,
-    AdminAuth,
-    LoginBackoff,
-    LoopProfiler,
-    Role,
-    admin_router,
-    check_startup,
-    profile_seconds,
-    render_text,
-    replica_file_stats,
-    service_stats,
-)
+from app.server.admin import admin_router, profile_seconds
+from app.server.admin_auth import STARTUP_ERROR, AdminAuth, LoginBackoff, Role, check_startup
 from app.server.heap import HeapTracer
+from app.server.profiler import LoopProfiler
+from app.server.statz import render_text, replica_file_stats, service_stats
 from app.sources.postgres import mapper as pg_mapper
 from app.streamer import rowrun, subscriber
 from app.streamer.service import ChangeStreamerService, SubscriberContext

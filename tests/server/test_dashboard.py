@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from websockets.asyncio.client import connect
 
 from app.protocol.canonical_json import loads
-from app.server.admin import AdminAuth
+from app.server.admin_auth import AdminAuth
 from app.server.dashboard import STATIC_FILES, dashboard_router
 from app.server.dashboard_feed import SnapshotFeed
 from tests.waiting import eventually
