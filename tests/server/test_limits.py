@@ -24,6 +24,7 @@ from app.server.admission import HandshakeAdmission
 from app.server.http_protocol import GuardedHttpProtocol
 from app.server.log_lines import LineLimit
 
+from ..waiting import eventually
 from .conftest import Server, start_server
 from .test_replication_ws import txn
 from .test_robustness import follow
@@ -90,10 +91,10 @@ async def test_pending_handshakes_are_bounded_and_time_out_while_streams_go_on(
             silent = [await asyncio.open_connection(host, int(port)) for _ in range(5)]
             protocol = cast(type[GuardedHttpProtocol], server.http.config.http_protocol_class)
             limits = protocol.limits
-            for _ in range(200):
-                if limits.pending == 5:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(
+                lambda: limits.pending == 5,  # noqa: B023 (awaited here)
+                "5 pending connections",
+            )
             assert limits.pending == 5
             refused = await raw_request(server, b"")
             assert refused.startswith(b"HTTP/1.1 503 ")
@@ -124,11 +125,7 @@ def admission_of(server: Server) -> HandshakeAdmission:
 
 
 async def until_waiting(admission: HandshakeAdmission, n: int) -> None:
-    for _ in range(500):
-        if admission.waiting == n:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{admission.waiting} handshakes waiting, expected {n}")
+    await eventually(lambda: admission.waiting == n, f"{n} handshakes waiting")
 
 
 async def test_a_handshake_beyond_the_rate_waits_its_turn_while_streams_go_on(
@@ -197,10 +194,10 @@ async def test_subscribers_beyond_the_limit_are_refused_with_the_reason(tmp_path
                 assert e.value.rcvd is not None
                 assert e.value.rcvd.code == 1002
                 assert "serves at most 2 subscribers" in e.value.rcvd.reason
-            for _ in range(200):  # b's channel closes as its socket does
-                if len(server.service.forwarder.active) == 1:
-                    break
-                await asyncio.sleep(0.02)
+            await eventually(  # b's channel closes as its socket does
+                lambda: len(server.service.forwarder.active) == 1,  # noqa: B023 (awaited here)
+                "b's channel to close",
+            )
             async with connect(f"{server.url}{BASE}&id=d") as d:
                 assert "status" in str(await asyncio.wait_for(d.recv(), 10))
 

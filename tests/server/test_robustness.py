@@ -19,6 +19,7 @@ from app.server import ws_protocol as ws_protocol_module
 from app.streamer import forwarder as forwarder_module
 from app.streamer import subscriber as subscriber_module
 
+from ..waiting import eventually
 from .conftest import Server, start_server
 from .test_replication_ws import QUERY, txn
 
@@ -82,10 +83,10 @@ async def test_a_client_that_stops_reading_is_dropped_and_others_continue(tmp_pa
             expected = [to_lexi(n) for n in range(2, 2 + 150)]
             results = await asyncio.gather(follow(good1, final), follow(good2, final))
             assert list(results) == [expected, expected]
-            for _ in range(200):
-                if len(server.service.forwarder.active) == 2:
-                    break
-                await asyncio.sleep(0.05)
+            await eventually(
+                lambda: len(server.service.forwarder.active) == 2,  # noqa: B023 (awaited here)
+                "the stuck client to be dropped",
+            )
             assert {s.id for s in server.service.forwarder.active} == {"good-1", "good-2"}
             del stuck
 
@@ -165,10 +166,11 @@ async def test_a_dropped_client_that_does_not_read_is_disconnected_and_its_bytes
             for w in watermarks:
                 stream.push_all(big_txn(w, big))
             assert await follow(good, watermarks[-1]) == watermarks
-            for _ in range(400):  # its socket is closed while it still reads nothing
-                if server.connections() == 1:
-                    break
-                await asyncio.sleep(0.05)
+            await eventually(  # its socket is closed while it still reads nothing
+                lambda: server.connections() == 1,  # noqa: B023 (awaited here)
+                "one connection left",
+                20.0,
+            )
             assert server.connections() == 1
             assert {s.id for s in server.service.forwarder.active} == {"good"}
             del no_reads
@@ -231,10 +233,10 @@ async def test_200_subscribers_churning_do_not_disturb_a_steady_one(server: Serv
             await asyncio.gather(*(churn(batch * 20 + i) for i in range(20)))
         await producer
         assert await steady_commits == [to_lexi(n) for n in range(2, 42)]
-    for _ in range(200):
-        if not server.service.forwarder.active and not server.service.forwarder.queued:
-            break
-        await asyncio.sleep(0.05)
+    await eventually(
+        lambda: not server.service.forwarder.active and not server.service.forwarder.queued,
+        "every subscriber to be gone",
+    )
     assert not server.service.forwarder.active
     assert not server.service.forwarder.queued
 
@@ -278,9 +280,9 @@ async def test_a_client_that_acks_nothing_is_not_waited_for_and_goes_after_a_whi
             # The default grace period is 30 s: the good one gets everything at once.
             expected = [to_lexi(n) for n in range(2, 2 + count)]
             assert await follow(good, expected[-1]) == expected
-            for _ in range(200):
-                if {s.id for s in server.service.forwarder.active} == {"good"}:
-                    break
-                await asyncio.sleep(0.05)
+            await eventually(
+                lambda: {s.id for s in server.service.forwarder.active} == {"good"},  # noqa: B023 (awaited here)
+                "only the good subscriber to be left",
+            )
             assert {s.id for s in server.service.forwarder.active} == {"good"}
             del silent

@@ -12,6 +12,7 @@ from websockets.exceptions import ConnectionClosed
 
 from app.protocol.canonical_json import dumps, loads
 
+from ..waiting import eventually
 from .conftest import Server, start_server
 from .test_replication_ws import txn
 
@@ -103,10 +104,10 @@ async def test_reserve_restore_then_subscribe_on_one_socket(backed_up: Server) -
         assert [m[0] for m in msgs] == ["status", "begin", "data", "data", "commit"]
         assert msgs[-1][2] == {"watermark": "03"}
         assert client.acks == [1, 2]
-        for _ in range(100):
-            if server.service.reservations.reserved_watermarks() == []:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(
+            lambda: server.service.reservations.reserved_watermarks() == [],
+            "the reservation to be released",
+        )
         assert server.service.reservations.reserved_watermarks() == []
 
 
@@ -138,15 +139,14 @@ async def test_disconnecting_before_subscribing_cancels_the_reservation(backed_u
         client = Client(ws)
         await client.send(["reserve-snapshot", {"taskID": "t9"}])
         await asyncio.wait_for(server.source.wait_for_stream(), 10)
-        for _ in range(100):
-            if client.acks or server.service.reservations.is_open("t9"):
-                break
-            await asyncio.sleep(0.01)
+        await eventually(
+            lambda: client.acks or server.service.reservations.is_open("t9"),
+            "the reservation t9 to open",
+        )
         assert server.service.reservations.is_open("t9")
-    for _ in range(200):
-        if not server.service.reservations.is_open("t9"):
-            break
-        await asyncio.sleep(0.01)
+    await eventually(
+        lambda: not server.service.reservations.is_open("t9"), "the reservation t9 to close"
+    )
     assert not server.service.reservations.is_open("t9")
 
 
@@ -208,10 +208,10 @@ async def test_a_reservation_superseded_by_another_socket_closes_the_first(
     async with connect(url) as first, connect(url) as second:
         one, two = Client(first), Client(second)
         await one.send(["reserve-snapshot", {"taskID": "same-task"}])
-        for _ in range(200):
-            if one.acks or server.service.reservations.is_open("same-task"):
-                break
-            await asyncio.sleep(0.01)
+        await eventually(
+            lambda: one.acks or server.service.reservations.is_open("same-task"),
+            "the first reservation of same-task to open",
+        )
         await two.send(["reserve-snapshot", {"taskID": "same-task"}])
         with pytest.raises(ConnectionClosed) as e:
             while True:

@@ -38,6 +38,7 @@ from app.streamer.timers import ManualTimers
 from app.versions import PROBE_REPLICA_VERSION
 from tests.change_dbs import migrated
 from tests.memory_source import MemoryChangeSource, MemoryChangeStream
+from tests.waiting import eventually
 
 from .conftest import OWNER, REPLICA_VERSION
 from .helpers import collect, whole
@@ -119,12 +120,12 @@ class Service:
         assert first[0] == "status", first
         if ack:
             ds.ack_next()
-        for _ in range(1000):
+
+        def left_catch_up() -> bool:
             subs = [*self.service.forwarder.active, *self.service.forwarder.queued]
-            if subs and not any(sub.backlogged for sub in subs):
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("the subscriber did not leave catch-up within 10 s")
+            return bool(subs) and not any(sub.backlogged for sub in subs)
+
+        await eventually(left_catch_up, "the subscriber to leave catch-up")
 
     async def stop(self) -> None:
         await self.service.stop()
@@ -297,7 +298,7 @@ async def test_a_broken_stream_mid_transaction_sends_one_rollback_and_resends_th
         "data",
         "commit",
     ]
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # a window in which nothing may happen
     assert ds.get_nowait() is None  # exactly one synthetic rollback
     await svc.durable("02")
     assert {w for w, _ in await svc.stored()} == {"01", "02"}
@@ -328,10 +329,9 @@ async def test_an_upstream_ending_at_a_commit_checkpoint_sends_no_rollback(svc: 
         received.append(loads(whole(text))[0])
     assert received == ["status", "begin", "data", "commit", "begin", "data", "commit"]
     await svc.durable("03")
-    for _ in range(1000):  # the loop is waiting on the first checkpoint
-        if svc.service.forwarder.current is not None:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(  # the loop is waiting on the first checkpoint
+        lambda: svc.service.forwarder.current is not None, "the loop to wait on a checkpoint"
+    )
     assert svc.service.forwarder.current is not None
     stream.fail(ConnectionError("upstream went away"))
     second = await svc.stream(2)
@@ -352,10 +352,9 @@ async def test_a_subscriber_that_stops_acking_holds_the_loop_within_two_checkpoi
     stream = await svc.stream()
     await svc.live(ds)
     stream.push_all(txn("02", *[row] * 200))  # ~3 checkpoints' worth
-    for _ in range(1000):
-        if svc.service.forwarder.current is not None:  # the loop waits
-            break
-        await asyncio.sleep(0.01)
+    await eventually(  # the loop waits
+        lambda: svc.service.forwarder.current is not None, "the loop to wait on a checkpoint"
+    )
     assert svc.service.forwarder.current is not None
     sent = []
     while (text := ds.get_nowait()) is not None:
@@ -756,11 +755,10 @@ async def test_the_loop_lag_monitor_keeps_the_worst_of_its_window() -> None:
     lag.start()
     await asyncio.sleep(0)  # its first sleep is scheduled
     hold_the_loop(0.2)  # as a big value's copy would
-    for _ in range(100):  # until the late wake-up is recorded
-        if lag.max_s() > 0:
-            break
-        await asyncio.sleep(0.01)
-    await lag.stop()
+    try:
+        await eventually(lambda: lag.max_s() > 0, "the late wake-up to be recorded")
+    finally:
+        await lag.stop()
     assert lag.max_s() >= 0.15
 
 
