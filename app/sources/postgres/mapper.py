@@ -23,7 +23,7 @@ raises :class:`MappingError`; the stream turns that into reset-required.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,16 +35,12 @@ from app.protocol.messages import Begin, ChangeSourceMessage, Commit, Data
 from app.sources.postgres.ddl import DdlEventProcessor, relation_object
 from app.sources.postgres.errors import DdlError
 from app.sources.postgres.lag_reporter import MESSAGE_SUFFIX, LagReporter
-from app.sources.postgres.large_rows import (
-    LargeValue,
-    Values,
-    decode_row_chunks,
-    json_string_pieces,
-)
+from app.sources.postgres.large_values import json_string_pieces
 from app.sources.postgres.pgoutput import (
     UNCHANGED_TOAST,
     Delete,
     Insert,
+    LargeValue,
     LogicalMessage,
     Origin,
     PgOutputError,
@@ -142,33 +138,23 @@ class ChangeMapper:
         data: Data | None = _pgrows.decode(buffer, offset, self._specs)
         return data
 
-    async def map_large_row(
-        self, chunks: Sequence[bytes], offset: int
-    ) -> list[ChangeSourceMessage] | None:
-        """The Data of the row change at ``offset`` of a frame too large to join
-        (``large_rows``), its large text values as ``JsonPieces`` made a chunk per
-        turn of the loop; None if that message is not a row change."""
-        try:
-            row = decode_row_chunks(chunks, offset)
-            if row is None:
-                return None
-            rel = self._rel(row.relation_oid)
-            old = None if row.old is None else await _texts(rel, row.old)
-            new = None if row.new is None else await _texts(rel, row.new)
-        except (PgOutputError, ValueError) as e:
-            raise MappingError(f"{type(e).__name__}: {e}") from e
-        message: PgOutputMessage
-        if row.kind == "I":
-            assert new is not None
-            message = Insert(row.relation_oid, new)
-        elif row.kind == "U":
-            assert new is not None
-            message = Update(row.relation_oid, row.old_kind, old, new)
-        else:
-            assert old is not None
-            assert row.old_kind is not None
-            message = Delete(row.relation_oid, row.old_kind, old)
-        return self.map(message)
+    async def materialize(self, message: PgOutputMessage) -> PgOutputMessage:
+        """``message`` with each ``LargeValue`` of its rows (``decode_chunks`` with
+        ``large_over``) made ``JsonPieces``, a chunk per turn of the loop, for a text
+        column, or a joined ``str`` for any other (parsed whole, see
+        ``large_values``). Other messages are returned as they are."""
+        if isinstance(message, Insert):
+            rel = self._rel(message.relation_oid)
+            return Insert(message.relation_oid, await _texts(rel, message.new))
+        if isinstance(message, Update):
+            rel = self._rel(message.relation_oid)
+            old = None if message.old is None else await _texts(rel, message.old)
+            new = await _texts(rel, message.new)
+            return Update(message.relation_oid, message.old_kind, old, new)
+        if isinstance(message, Delete):
+            rel = self._rel(message.relation_oid)
+            return Delete(message.relation_oid, message.old_kind, await _texts(rel, message.old))
+        return message
 
     def map(self, message: PgOutputMessage) -> list[ChangeSourceMessage]:
         try:
@@ -341,7 +327,7 @@ def _row(rel: _Rel, values: TupleData, fallback: dict[str, Any] | None = None) -
             row[name] = None
         elif type(v) is str:
             row[name] = parse(v)
-        elif type(v) is JsonPieces:  # a large text value (map_large_row)
+        elif type(v) is JsonPieces:  # a large text value (materialize)
             row[name] = v
         elif v is UNCHANGED_TOAST:
             # JSON has no undefined: the column is left out unless the old row has it.
@@ -364,9 +350,9 @@ def _key(rel: _Rel, values: TupleData) -> dict[str, Any]:
     return key
 
 
-async def _texts(rel: _Rel, values: Values) -> TupleData:
+async def _texts(rel: _Rel, values: TupleData) -> TupleData:
     """``values`` with each ``LargeValue`` made a ``JsonPieces`` (a text column) or
-    a joined ``str`` (any other: parsed whole, see ``large_rows``)."""
+    a joined ``str`` (any other: parsed whole, see ``large_values``)."""
     out: list[TupleValue] = []
     for i, v in enumerate(values):
         if isinstance(v, LargeValue):

@@ -18,16 +18,21 @@ Conventions of this module:
   UTF-8 (zero's TextDecoder does the same), so a ``SQL_ASCII`` database holding
   Latin-1 bytes degrades a value instead of wedging replication forever.
 
-Speed: every replicated row passes through :func:`decode_message`, so fields are read
-with precompiled ``struct.unpack_from`` on the buffer, strings are found with
-``bytes.index``, and the only per-item loop is one iteration per column.
+One decoder reads every message, over a frame's chunks (:func:`decode_chunks`): a
+frame of one chunk is the common case, and a frame too large to join
+(``connection.FramePieces``) is read across its chunk edges the same way, a large
+text value left in the chunks (:class:`LargeValue`). Row changes take
+``_pgrows.c`` first (``ChangeMapper.map_row``), its exact twin for a one-chunk
+frame; what it does not handle comes here. Reads are slices checked by one
+comparison, fields precompiled ``struct.unpack_from``, strings found with
+``bytes.find``; the only per-item loop is one iteration per column.
 """
 
 from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, TypeAlias
 
@@ -40,6 +45,7 @@ __all__ = [
     "Commit",
     "Delete",
     "Insert",
+    "LargeValue",
     "LogicalMessage",
     "Origin",
     "PgOutputError",
@@ -54,6 +60,7 @@ __all__ = [
     "UnchangedToast",
     "Update",
     "XLogData",
+    "decode_chunks",
     "decode_message",
     "format_lsn",
     "parse_copy_data",
@@ -90,9 +97,25 @@ class UnchangedToast:
 
 UNCHANGED_TOAST: Final = UnchangedToast()
 
-# JsonPieces: a large text value as its JSON text, put in by large_rows.py (never
-# by the decoder here).
-TupleValue: TypeAlias = str | UnchangedToast | bytes | JsonPieces | None
+
+class LargeValue:
+    """A text column's value over ``large_over`` bytes in a frame too large to join:
+    views of the frame's chunks, in order (``large_values`` makes it JSON text)."""
+
+    __slots__ = ("chunks", "size")
+
+    def __init__(self, chunks: list[memoryview], size: int) -> None:
+        self.chunks = chunks
+        self.size = size
+
+    def join(self) -> str:
+        """The value decoded whole (for a column that is not text)."""
+        return b"".join(self.chunks).decode("utf-8", "replace")
+
+
+# LargeValue: from decode_chunks with ``large_over``; JsonPieces: a LargeValue of a
+# text column made its JSON text (large_values.py), never by the decoder here.
+TupleValue: TypeAlias = str | UnchangedToast | bytes | LargeValue | JsonPieces | None
 TupleData: TypeAlias = tuple[TupleValue, ...]
 
 # --- frames ---------------------------------------------------------------------------
@@ -283,6 +306,94 @@ class _Truncated(Exception):
         self.what = what
 
 
+class _Reader:
+    """Sequential reads of one message laid over a frame's chunks.
+
+    A frame of one chunk is the common case: each read is a slice of it, checked by
+    one comparison. A frame too large to join (``connection.FramePieces``) is read
+    across its chunk edges the same way, and :meth:`views` hands out a large value
+    as views of the chunks, uncopied. Offsets in errors count from the message's
+    first byte.
+    """
+
+    __slots__ = ("_base", "_chunks", "_data", "_i", "_p", "size")
+
+    def __init__(self, chunks: Sequence[bytes], offset: int) -> None:
+        self._chunks = chunks
+        self._i = 0
+        self._data = chunks[0]
+        self._p = offset
+        self._base = -offset  # the message offset of the current chunk's first byte
+        self.size = (len(self._data) if len(chunks) == 1 else sum(map(len, chunks))) - offset
+        while self._p >= len(self._data) and self._i < len(chunks) - 1:  # a short chunk 0
+            carry = self._p - len(self._data)
+            self._next_chunk()
+            self._p = carry
+
+    @property
+    def pos(self) -> int:
+        """Offset of the next byte, from the message's first byte."""
+        return self._base + self._p
+
+    def take(self, n: int, what: str) -> bytes:
+        p = self._p
+        end = p + n
+        if n >= 0 and end <= len(self._data):
+            self._p = end
+            return self._data[p:end]
+        return b"".join(self.views(n, what))
+
+    def byte(self, what: str) -> int:
+        p = self._p
+        if p < len(self._data):
+            self._p = p + 1
+            return self._data[p]
+        return self.take(1, what)[0]
+
+    def unpack(self, s: struct.Struct, what: str) -> tuple[int, ...]:
+        p = self._p
+        if p + s.size <= len(self._data):
+            self._p = p + s.size
+            return s.unpack_from(self._data, p)
+        return s.unpack(self.take(s.size, what))
+
+    def cstring(self, what: str) -> str:
+        at = self.pos
+        parts: list[bytes] = []
+        while (end := self._data.find(b"\0", self._p)) < 0:
+            parts.append(self._data[self._p :])
+            if not self._next_chunk():
+                raise _Truncated(at, f"{what} (no NUL terminator)")
+        parts.append(self._data[self._p : end])
+        self._p = end + 1
+        text = parts[0] if len(parts) == 1 else b"".join(parts)
+        return text.decode("utf-8", "replace")
+
+    def views(self, n: int, what: str) -> list[memoryview]:
+        """The next ``n`` bytes as views of the chunks (no copy). ``what`` names
+        them in an error, ``{n}`` in it their count (formatted only then)."""
+        if n < 0 or self.pos + n > self.size:
+            raise _Truncated(self.pos, what.format(n=n))
+        out: list[memoryview] = []
+        while n:
+            if self._p == len(self._data):
+                self._next_chunk()
+            k = min(n, len(self._data) - self._p)
+            out.append(memoryview(self._data)[self._p : self._p + k])
+            self._p += k
+            n -= k
+        return out
+
+    def _next_chunk(self) -> bool:
+        if self._i == len(self._chunks) - 1:
+            return False
+        self._base += len(self._data)
+        self._i += 1
+        self._data = self._chunks[self._i]
+        self._p = 0
+        return True
+
+
 _U8: Final = struct.Struct(">B")
 _I16: Final = struct.Struct(">h")
 _I32: Final = struct.Struct(">i")
@@ -290,7 +401,6 @@ _U32: Final = struct.Struct(">I")
 _BEGIN: Final = struct.Struct(">Qqi")
 _COMMIT: Final = struct.Struct(">BQQq")
 _ORIGIN_LSN: Final = struct.Struct(">Q")
-_RELATION_HEAD: Final = struct.Struct(">I")
 _COLUMN_TYPE: Final = struct.Struct(">Ii")
 _TRUNCATE_HEAD: Final = struct.Struct(">iB")
 _MESSAGE_HEAD: Final = struct.Struct(">BQ")
@@ -304,199 +414,162 @@ _REPLICA_IDENTITIES: Final[dict[int, ReplicaIdentity]] = {
 
 def decode_message(payload: bytes | bytearray | memoryview) -> PgOutputMessage:
     """Decode one pgoutput proto v1 message (the payload of an XLogData frame)."""
-    data = payload if type(payload) is bytes else bytes(payload)
-    if not data:
+    return decode_chunks((payload if type(payload) is bytes else bytes(payload),), 0)
+
+
+def decode_chunks(
+    chunks: Sequence[bytes], offset: int, *, large_over: int | None = None
+) -> PgOutputMessage:
+    """Decode the pgoutput message at ``offset`` of the frame made of ``chunks`` (one
+    chunk, or the pieces of a frame too large to join). With ``large_over``, a text
+    value over that many bytes is a :class:`LargeValue` instead of a ``str``."""
+    r = _Reader(chunks, offset)
+    if r.size <= 0:
         raise PgOutputError("empty pgoutput message")
-    kind = data[0]
+    kind = r.byte("message type")
     decoder = _DECODERS.get(kind)
     if decoder is None:
         raise PgOutputError(f"unknown pgoutput message type {bytes([kind])!r} at offset 0")
     try:
-        message, end = decoder(data)
+        message = decoder(r, large_over)
     except _Truncated as e:
         raise PgOutputError(
             f"pgoutput {chr(kind)!r} message truncated: {e.what} at offset {e.offset} "
-            f"runs past the end ({len(data)} bytes)"
+            f"runs past the end ({r.size} bytes)"
         ) from None
-    if end != len(data):
+    end = r._base + r._p  # r.pos, inline: this runs for every message
+    if end != r.size:
         raise PgOutputError(
-            f"pgoutput {chr(kind)!r} message has {len(data) - end} unexpected trailing "
+            f"pgoutput {chr(kind)!r} message has {r.size - end} unexpected trailing "
             f"byte(s) at offset {end}"
         )
     return message
 
 
-def _unpack(s: struct.Struct, data: bytes, pos: int, what: str) -> tuple[int, ...]:
-    if pos + s.size > len(data):
-        raise _Truncated(pos, what)
-    return s.unpack_from(data, pos)
+def _begin(r: _Reader, _: int | None) -> Begin:
+    lsn, time, xid = r.unpack(_BEGIN, "Begin fields")
+    return Begin(lsn, time + PG_EPOCH_OFFSET_US, xid)
 
 
-def _cstring(data: bytes, pos: int, what: str) -> tuple[str, int]:
-    try:
-        end = data.index(b"\0", pos)
-    except ValueError:
-        raise _Truncated(pos, f"{what} (no NUL terminator)") from None
-    return data[pos:end].decode("utf-8", "replace"), end + 1
+def _commit(r: _Reader, _: int | None) -> Commit:
+    flags, lsn, end_lsn, time = r.unpack(_COMMIT, "Commit fields")
+    return Commit(flags, lsn, end_lsn, time + PG_EPOCH_OFFSET_US)
 
 
-def _begin(data: bytes) -> tuple[Begin, int]:
-    lsn, time, xid = _unpack(_BEGIN, data, 1, "Begin fields")
-    return Begin(lsn, time + PG_EPOCH_OFFSET_US, xid), 1 + _BEGIN.size
+def _origin(r: _Reader, _: int | None) -> Origin:
+    (lsn,) = r.unpack(_ORIGIN_LSN, "origin commit LSN")
+    return Origin(lsn, r.cstring("origin name"))
 
 
-def _commit(data: bytes) -> tuple[Commit, int]:
-    flags, lsn, end_lsn, time = _unpack(_COMMIT, data, 1, "Commit fields")
-    return Commit(flags, lsn, end_lsn, time + PG_EPOCH_OFFSET_US), 1 + _COMMIT.size
+def _type(r: _Reader, _: int | None) -> TypeMessage:
+    (oid,) = r.unpack(_U32, "type OID")
+    return TypeMessage(oid, r.cstring("type namespace"), r.cstring("type name"))
 
 
-def _origin(data: bytes) -> tuple[Origin, int]:
-    (lsn,) = _unpack(_ORIGIN_LSN, data, 1, "origin commit LSN")
-    name, pos = _cstring(data, 9, "origin name")
-    return Origin(lsn, name), pos
-
-
-def _type(data: bytes) -> tuple[TypeMessage, int]:
-    (oid,) = _unpack(_U32, data, 1, "type OID")
-    namespace, pos = _cstring(data, 5, "type namespace")
-    name, pos = _cstring(data, pos, "type name")
-    return TypeMessage(oid, namespace, name), pos
-
-
-def _relation(data: bytes) -> tuple[Relation, int]:
-    (oid,) = _unpack(_RELATION_HEAD, data, 1, "relation OID")
-    namespace, pos = _cstring(data, 5, "relation namespace")
-    name, pos = _cstring(data, pos, "relation name")
-    (ident_byte,) = _unpack(_U8, data, pos, "replica identity")
+def _relation(r: _Reader, _: int | None) -> Relation:
+    (oid,) = r.unpack(_U32, "relation OID")
+    namespace = r.cstring("relation namespace")
+    name = r.cstring("relation name")
+    at = r.pos
+    ident_byte = r.byte("replica identity")
     ident = _REPLICA_IDENTITIES.get(ident_byte)
     if ident is None:
         raise PgOutputError(
-            f"pgoutput 'R' message: unknown replica identity {bytes([ident_byte])!r} "
-            f"at offset {pos}"
+            f"pgoutput 'R' message: unknown replica identity {bytes([ident_byte])!r} at offset {at}"
         )
-    (ncols,) = _unpack(_I16, data, pos + 1, "column count")
-    pos += 3
+    (ncols,) = r.unpack(_I16, "column count")
     columns: list[RelationColumn] = []
     for _ in range(ncols):
-        (flags,) = _unpack(_U8, data, pos, "column flags")
-        col_name, pos = _cstring(data, pos + 1, "column name")
-        type_oid, typmod = _unpack(_COLUMN_TYPE, data, pos, "column type")
-        pos += 8
+        flags = r.byte("column flags")
+        col_name = r.cstring("column name")
+        type_oid, typmod = r.unpack(_COLUMN_TYPE, "column type")
         columns.append(RelationColumn(col_name, type_oid, typmod, bool(flags & 1)))
-    return Relation(oid, namespace, name, ident, tuple(columns)), pos
+    return Relation(oid, namespace, name, ident, tuple(columns))
 
 
-def _tuple(data: bytes, pos: int) -> tuple[TupleData, int]:
-    """Read TupleData at ``pos``; the hot loop of the whole decoder.
+_VALUE: Final = "column value of {n} bytes"
 
-    Bounds are checked by the reads themselves (``IndexError``, ``struct.error``):
-    a ``try`` costs nothing in 3.11 until something raises, and that is rare.
-    """
-    if pos + 2 > len(data):
-        raise _Truncated(pos, "tuple column count")
-    (ncols,) = _I16.unpack_from(data, pos)
-    pos += 2
-    size = len(data)
-    unpack_len = _I32.unpack_from
+
+def _tuple(r: _Reader, large_over: int | None) -> TupleData:
+    """Read TupleData: the hot loop of the decoder, one iteration per column."""
+    (ncols,) = r.unpack(_I16, "tuple column count")
     values: list[TupleValue] = []
     append = values.append
-    try:
-        for _ in range(ncols):
-            kind = data[pos]
-            if kind == 0x74:  # t
-                (n,) = unpack_len(data, pos + 1)
-                start = pos + 5
-                pos = start + n
-                if n < 0 or pos > size:
-                    raise _Truncated(start, f"column value of {n} bytes")
-                chunk = data[start:pos]
-                try:
-                    append(chunk.decode())  # strict UTF-8 without arguments is the fast call
-                except UnicodeDecodeError:
-                    append(chunk.decode("utf-8", "replace"))
-            elif kind == 0x6E:  # n
-                pos += 1
-                append(None)
-            elif kind == 0x75:  # u
-                pos += 1
-                append(UNCHANGED_TOAST)
-            elif kind == 0x62:  # b
-                (n,) = unpack_len(data, pos + 1)
-                start = pos + 5
-                pos = start + n
-                if n < 0 or pos > size:
-                    raise _Truncated(start, f"column value of {n} bytes")
-                append(data[start:pos])
-            else:
-                raise PgOutputError(f"unknown tuple column kind {bytes([kind])!r} at offset {pos}")
-    except IndexError:
-        raise _Truncated(pos, "tuple column kind") from None
-    except struct.error:
-        raise _Truncated(pos + 1, "column value length") from None
-    return tuple(values), pos
+    byte, unpack, take = r.byte, r.unpack, r.take
+    for _ in range(ncols):
+        kind = byte("tuple column kind")
+        if kind == 0x74:  # t
+            (n,) = unpack(_I32, "column value length")
+            if large_over is not None and n > large_over:
+                append(LargeValue(r.views(n, _VALUE), n))
+                continue
+            chunk = take(n, _VALUE)
+            try:
+                append(chunk.decode())  # strict UTF-8 without arguments is the fast call
+            except UnicodeDecodeError:
+                append(chunk.decode("utf-8", "replace"))
+        elif kind == 0x6E:  # n
+            append(None)
+        elif kind == 0x75:  # u
+            append(UNCHANGED_TOAST)
+        elif kind == 0x62:  # b
+            (n,) = unpack(_I32, "column value length")
+            append(take(n, _VALUE))
+        else:
+            at = r.pos - 1
+            raise PgOutputError(f"unknown tuple column kind {bytes([kind])!r} at offset {at}")
+    return tuple(values)
 
 
-def _expect(data: bytes, pos: int, allowed: bytes, what: str) -> int:
-    if pos >= len(data):
-        raise _Truncated(pos, what)
-    byte = data[pos]
+def _expect(r: _Reader, kind: str, allowed: bytes, what: str) -> int:
+    at = r.pos
+    byte = r.byte(what)
     if byte not in allowed:
         raise PgOutputError(
-            f"pgoutput {chr(data[0])!r} message: expected {what} "
-            f"({' or '.join(repr(chr(b)) for b in allowed)}), got {bytes([byte])!r} at offset {pos}"
+            f"pgoutput {kind!r} message: expected {what} "
+            f"({' or '.join(repr(chr(b)) for b in allowed)}), got {bytes([byte])!r} at offset {at}"
         )
     return byte
 
 
-def _insert(data: bytes) -> tuple[Insert, int]:
-    (oid,) = _unpack(_U32, data, 1, "relation OID")
-    _expect(data, 5, b"N", "new tuple marker")
-    new, pos = _tuple(data, 6)
-    return Insert(oid, new), pos
+def _insert(r: _Reader, large_over: int | None) -> Insert:
+    (oid,) = r.unpack(_U32, "relation OID")
+    _expect(r, "I", b"N", "new tuple marker")
+    return Insert(oid, _tuple(r, large_over))
 
 
-def _update(data: bytes) -> tuple[Update, int]:
-    (oid,) = _unpack(_U32, data, 1, "relation OID")
-    marker = _expect(data, 5, b"KON", "tuple marker")
+def _update(r: _Reader, large_over: int | None) -> Update:
+    (oid,) = r.unpack(_U32, "relation OID")
+    marker = _expect(r, "U", b"KON", "tuple marker")
     if marker == 0x4E:  # N: no old tuple
-        new, pos = _tuple(data, 6)
-        return Update(oid, None, None, new), pos
-    old, pos = _tuple(data, 6)
-    _expect(data, pos, b"N", "new tuple marker")
-    new, pos = _tuple(data, pos + 1)
-    return Update(oid, "K" if marker == 0x4B else "O", old, new), pos
+        return Update(oid, None, None, _tuple(r, large_over))
+    old = _tuple(r, large_over)
+    _expect(r, "U", b"N", "new tuple marker")
+    return Update(oid, "K" if marker == 0x4B else "O", old, _tuple(r, large_over))
 
 
-def _delete(data: bytes) -> tuple[Delete, int]:
-    (oid,) = _unpack(_U32, data, 1, "relation OID")
-    marker = _expect(data, 5, b"KO", "old tuple marker")
-    old, pos = _tuple(data, 6)
-    return Delete(oid, "K" if marker == 0x4B else "O", old), pos
+def _delete(r: _Reader, large_over: int | None) -> Delete:
+    (oid,) = r.unpack(_U32, "relation OID")
+    marker = _expect(r, "D", b"KO", "old tuple marker")
+    return Delete(oid, "K" if marker == 0x4B else "O", _tuple(r, large_over))
 
 
-def _truncate(data: bytes) -> tuple[Truncate, int]:
-    count, options = _unpack(_TRUNCATE_HEAD, data, 1, "truncate header")
+def _truncate(r: _Reader, _: int | None) -> Truncate:
+    count, options = r.unpack(_TRUNCATE_HEAD, "truncate header")
     if count < 0:
         raise PgOutputError(f"pgoutput 'T' message: negative relation count {count} at offset 1")
-    end = 6 + 4 * count
-    if end > len(data):
-        raise _Truncated(6, f"{count} relation OIDs")
-    oids = struct.unpack_from(f">{count}I", data, 6)
-    return Truncate(oids, bool(options & 1), bool(options & 2)), end
+    oids = struct.unpack(f">{count}I", r.take(4 * count, f"{count} relation OIDs"))
+    return Truncate(oids, bool(options & 1), bool(options & 2))
 
 
-def _message(data: bytes) -> tuple[LogicalMessage, int]:
-    flags, lsn = _unpack(_MESSAGE_HEAD, data, 1, "message header")
-    prefix, pos = _cstring(data, 10, "message prefix")
-    (n,) = _unpack(_I32, data, pos, "content length")
-    start = pos + 4
-    end = start + n
-    if n < 0 or end > len(data):
-        raise _Truncated(start, f"message content of {n} bytes")
-    return LogicalMessage(bool(flags & 1), lsn, prefix, data[start:end]), end
+def _message(r: _Reader, _: int | None) -> LogicalMessage:
+    flags, lsn = r.unpack(_MESSAGE_HEAD, "message header")
+    prefix = r.cstring("message prefix")
+    (n,) = r.unpack(_I32, "content length")
+    return LogicalMessage(bool(flags & 1), lsn, prefix, r.take(n, "message content of {n} bytes"))
 
 
-_DECODERS: Final[dict[int, Callable[[bytes], tuple[PgOutputMessage, int]]]] = {
+_DECODERS: Final[dict[int, Callable[[_Reader, int | None], PgOutputMessage]]] = {
     ord("B"): _begin,
     ord("C"): _commit,
     ord("O"): _origin,

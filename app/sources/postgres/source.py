@@ -46,6 +46,7 @@ from app.sources.base import (
     ChangeStream,
     SourceMetric,
 )
+from app.sources.postgres import large_values
 from app.sources.postgres.backfill_stream import BackfillNames, stream_backfill
 from app.sources.postgres.backfills import BackfillManager
 from app.sources.postgres.connection import (
@@ -59,9 +60,11 @@ from app.sources.postgres.lag_reporter import LagReporter, PgEmitter, message_pr
 from app.sources.postgres.mapper import ChangeMapper, MappingError, ShardId
 from app.sources.postgres.pgoutput import (
     LogicalMessage,
+    PgOutputMessage,
     PrimaryKeepalive,
     Relation,
     XLogData,
+    decode_chunks,
     decode_message,
     format_lsn,
     parse_copy_data,
@@ -376,7 +379,7 @@ class PostgresChangeStream(ChangeStream):
             status = self._on_keepalive(copy)
             return [] if status is None else [status]
         assert isinstance(copy, XLogData)
-        return await self._map(copy)
+        return await self._map(copy.wal_start, decode_message(copy.payload))
 
     def _resetting(self) -> bool:
         return self._reset is not None
@@ -392,32 +395,33 @@ class PostgresChangeStream(ChangeStream):
         return None
 
     async def _large_frame_messages(self, chunks: Sequence[bytes]) -> list[ChangeSourceMessage]:
-        """The messages of a frame too large to join (decision 46): a row change is
-        decoded from its chunks (``ChangeMapper.map_large_row``); any other message
-        (a huge DDL message, say) is joined and goes the usual way."""
-        if chunks[0][0] == _XLOG_DATA and len(chunks[0]) >= _XLOG_HEADER_SIZE:
-            try:
-                rows = await self._mapper.map_large_row(chunks, _XLOG_HEADER_SIZE)
-            except MappingError as e:
-                (wal_start,) = _LSN.unpack_from(chunks[0], 1)
-                self._reset = _reset_messages(str(e), wal_start, e.details)
-                log.error("unable to continue replication from %s: %s", format_lsn(wal_start), e)
-                return self._reset
-            if rows is not None:
-                self._account(rows)  # as every other row change is (issue 26)
-                return rows
-        return await self._frame_messages(memoryview(b"".join(chunks)))
+        """The messages of a frame too large to join (decision 46), decoded from its
+        chunks as any frame is, except that a text value over ``LARGE_VALUE_BYTES``
+        stays in the chunks until it is made JSON text a chunk at a time."""
+        head = chunks[0]
+        if head[0] != _XLOG_DATA or len(head) < _XLOG_HEADER_SIZE:
+            # Not WAL data (a keepalive is never this large): say what it is.
+            return await self._frame_messages(memoryview(b"".join(chunks)))
+        (wal_start,) = _LSN.unpack_from(head, 1)
+        large_over = large_values.LARGE_VALUE_BYTES
+        message = decode_chunks(chunks, _XLOG_HEADER_SIZE, large_over=large_over)
+        return await self._map(wal_start, message, large=True)
 
-    async def _map(self, x: XLogData) -> list[ChangeSourceMessage]:
+    async def _map(
+        self, wal_start: int, message: PgOutputMessage, *, large: bool = False
+    ) -> list[ChangeSourceMessage]:
+        """Every decoded message but the C path's row changes (``_read``) comes here,
+        from a frame of any size: mapped, then the stream's bookkeeping."""
         try:
-            message = decode_message(x.payload)
             if isinstance(message, Relation) and self._mapper.needs_types(message):
                 async with await psycopg.AsyncConnection.connect(self._url) as conn:
                     self._mapper.registry = await load_type_registry(conn)
+            if large:
+                message = await self._mapper.materialize(message)
             out = self._mapper.map(message)
         except MappingError as e:
-            self._reset = _reset_messages(str(e), x.wal_start, e.details)
-            log.error("unable to continue replication from %s: %s", format_lsn(x.wal_start), e)
+            self._reset = _reset_messages(str(e), wal_start, e.details)
+            log.error("unable to continue replication from %s: %s", format_lsn(wal_start), e)
             return self._reset
         self._account(out)
         backfills = self._backfills
@@ -439,10 +443,10 @@ class PostgresChangeStream(ChangeStream):
         return out
 
     def _account(self, out: list[ChangeSourceMessage]) -> None:
-        """The stream's bookkeeping of decoded messages, whichever decoder made them:
-        the acker's and the backfills' transaction boundaries, and every change a
-        backfill must see (a key change voids its older batches). The C row path
-        (``_read``) does the same for its one row change inline."""
+        """The stream's bookkeeping of mapped messages: the acker's and the
+        backfills' transaction boundaries, and every change a backfill must see (a
+        key change voids its older batches). The C row path (``_read``) does the
+        same for its one row change inline."""
         backfills = self._backfills
         for m in out:
             if m.kind == "begin":
