@@ -11,13 +11,20 @@ Then:
 * the backfill ends with ``backfill-completed`` and the new data is visible;
 * the replica ends equal to Postgres row by row, at the same replicaVersion
   (nothing was reset), and no reset was flagged.
+
+And one race made on purpose (issue 26): a key-changing UPDATE of a row in a frame
+over a chunk (the large-frame decoder), committed after the backfill's snapshot and
+before its batch is streamed, voids that batch as a small one does; the backfill
+runs again and the replica ends equal to Postgres, out-of-line columns included.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
-from collections.abc import Callable
+import string
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +32,17 @@ import psycopg
 import pytest
 
 from app.protocol.lexi import parse_state_version
-from tests.e2e_pg.conftest import WAIT_S, Message, StartUpstream, Upstream, reset_required
+from app.sources.postgres import source as source_module
+from app.sources.postgres.backfill_stream import stream_backfill
+from tests.e2e_pg.conftest import (
+    WAIT_S,
+    Message,
+    StartUpstream,
+    Upstream,
+    commit_watermark,
+    data,
+    reset_required,
+)
 
 ROWS = 8000  # over 256 KiB of COPY even for an (id, timestamp) backfill: several batches
 MAX_RACE_TX = 3000
@@ -182,4 +199,98 @@ async def test_backfill_races_writes_and_ends_equal(
     assert env.replica_query('SELECT "replicaVersion" FROM "_zero.replicationConfig"') == [
         (replica_version,)
     ]
+    assert not await reset_required(env)
+
+
+BackfillBatches = AsyncGenerator[dict[str, Any], None]
+
+
+class HeldFirstBackfill:
+    """``stream_backfill`` whose first run, once it has taken its snapshot and read
+    its first batch, holds that batch until :meth:`release`: a backfill running at
+    the moment the test chooses. Later runs are the real reader as it is."""
+
+    def __init__(self, real: Callable[..., BackfillBatches]) -> None:
+        self._real = real
+        self.runs = 0
+        self.snapshot_taken = asyncio.Event()
+        self._released = asyncio.Event()
+
+    def __call__(self, *args: Any) -> BackfillBatches:
+        self.runs += 1
+        batches = self._real(*args)
+        return self._held(batches) if self.runs == 1 else batches
+
+    def release(self) -> None:
+        self._released.set()
+
+    async def _held(self, batches: BackfillBatches) -> BackfillBatches:
+        try:
+            first = await anext(batches)
+            self.snapshot_taken.set()
+            await self._released.wait()
+            yield first
+            async for body in batches:
+                yield body
+        finally:
+            await batches.aclose()
+
+
+BIG = 2 * 1024 * 1024  # one value over a replication chunk: the large-frame decoder
+OUT_OF_LINE = 8192
+
+
+def digest(value: Any) -> Any:
+    """A text column as its length and hash: a 2 MiB mismatch stays readable."""
+    if not isinstance(value, str):
+        return value
+    return (len(value), hashlib.sha256(value.encode()).hexdigest()[:16])
+
+
+async def test_a_key_change_in_a_large_row_during_its_backfill_ends_equal(
+    upstream: StartUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = HeldFirstBackfill(stream_backfill)
+    monkeypatch.setattr(source_module, "stream_backfill", held)
+    # Random, so incompressible; EXTERNAL, so out of line: an UPDATE that leaves it
+    # alone carries it as unchanged TOAST ('u'), which only a backfill can fill.
+    rng = random.Random(26)
+    ext = "".join(rng.choices(string.ascii_letters + string.digits, k=OUT_OF_LINE))
+    env = await upstream(
+        [
+            "CREATE SCHEMA other",
+            "CREATE TABLE other.items (id int PRIMARY KEY, big text, ext text)",
+            "ALTER TABLE other.items ALTER COLUMN ext SET STORAGE EXTERNAL",
+            f"INSERT INTO other.items VALUES (1, repeat('a', {BIG}), '{ext}')",
+        ]
+    )
+    await env.execute("ALTER PUBLICATION _hpe_public_0 ADD TABLES IN SCHEMA other")
+    await asyncio.wait_for(held.snapshot_taken.wait(), WAIT_S)  # the row read under id 1
+
+    await env.execute(f"UPDATE other.items SET id = 5, big = repeat('b', {BIG}) WHERE id = 1")
+    update = None
+    while update is None:
+        update = next((d for d in data(await env.next_transaction()) if d["tag"] == "update"), None)
+    assert update["key"] == {"id": 1}
+    assert update["new"]["id"] == 5
+    assert len(update["new"]["big"]) == BIG
+    assert "ext" not in update["new"], "the update must carry ext as unchanged TOAST"
+    held.release()  # the batch read before the key change goes to the stream now
+
+    completed_at = None
+    while completed_at is None:
+        tx = await env.next_transaction()
+        if any(d["tag"] == "backfill-completed" for d in data(tx)):
+            completed_at = commit_watermark(tx)
+    columns = ("id", "big", "ext")
+    expected = [
+        {c: digest(v) for c, v in zip(columns, r, strict=True)}
+        for r in await env.query("SELECT id, big, ext FROM other.items ORDER BY id")
+    ]
+    actual = [
+        {c: digest(v) for c, v in r.items()}
+        for r in await env.replica_rows("other.items", at=completed_at, order_by="id")
+    ]
+    assert expected == [{"id": 5, "big": digest("b" * BIG), "ext": digest(ext)}]
+    assert actual == expected
     assert not await reset_required(env)
