@@ -28,8 +28,14 @@ import pytest
 
 from app.sources.postgres import pgwire
 from app.sources.postgres.connection import FramePieces, ReplicationConnection
+from app.sources.postgres.conninfo import (
+    ConnectError,
+    Keepalives,
+    default_socket_dir,
+    parse_conninfo,
+)
 from app.sources.postgres.pgoutput import Insert, XLogData, decode_message, parse_copy_data
-from app.sources.postgres.pgwire import ConnectError, ScramSha256, Startup, parse_conninfo
+from app.sources.postgres.pgwire import ScramSha256, Startup
 from tests.sources.postgres.tls_certs import make_certs
 
 
@@ -125,7 +131,7 @@ def test_without_a_host_the_default_unix_socket_is_used_and_the_db_is_named_afte
     None
 ):
     params = parse_conninfo("user=someone")
-    assert params.hosts == ((pgwire.default_socket_dir(), 5432),)
+    assert params.hosts == ((default_socket_dir(), 5432),)
     assert params.dbname == "someone"
     assert params.sslmode == "prefer"
     assert params.connect_timeout_s is None
@@ -194,7 +200,7 @@ def test_the_password_file_gives_the_first_matching_line(tmp_path: Path) -> None
     assert pgwire.password_from_file(passfile, "db.example", 5433, "app", "alice") is None
     assert pgwire.password_from_file(passfile, "anywhere", 1, "x", "bob") == "bob:s:pass"
     assert pgwire.password_from_file(passfile, "other:host", 1, "x", "y") == "escaped"
-    socket_dir = pgwire.default_socket_dir()
+    socket_dir = default_socket_dir()
     assert pgwire.password_from_file(passfile, socket_dir, 5432, "x", "carol") == "on-the-socket"
 
 
@@ -485,13 +491,13 @@ def test_sslrootcert_system_means_verify_full_and_nothing_weaker(
 
 
 def test_keepalives_and_their_timings_are_read_as_libpq_reads_them() -> None:
-    assert parse_conninfo("").keepalives == pgwire.Keepalives(True, 60, 10, 6, None)
+    assert parse_conninfo("").keepalives == Keepalives(True, 60, 10, 6, None)
     assert parse_conninfo("keepalives_idle=0").keepalives.idle_s == 60
     params = parse_conninfo(
         "keepalives=1 keepalives_idle=7 keepalives_interval=3 keepalives_count=4 "
         "tcp_user_timeout=9000"
     )
-    assert params.keepalives == pgwire.Keepalives(True, 7, 3, 4, 9000)
+    assert params.keepalives == Keepalives(True, 7, 3, 4, 9000)
     assert not parse_conninfo("keepalives=0").keepalives.enabled
     with pytest.raises(
         ConnectError, match='invalid integer value "soon" for connection option "keepalives_idle"'
