@@ -6,10 +6,12 @@ defaults (docs/postgres-connection.md, "One parser for both")."""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -193,3 +195,15 @@ async def test_libpq_gets_an_ordinary_connection_and_keeps_the_strings_options(
     async with await async_connect(conninfo, replication="database") as repl:
         cur = await repl.execute(b"IDENTIFY_SYSTEM")
         assert (await cur.fetchone()) is not None
+
+
+def test_no_module_but_conninfo_opens_a_libpq_connection_itself() -> None:
+    """A ``psycopg.connect`` elsewhere would read the upstream string its own way."""
+    app = Path(__file__).resolve().parents[3] / "app"
+    direct = re.compile(r"psycopg\.(connect|(Async)?Connection\.connect)\(")
+    found = [
+        str(path.relative_to(app))
+        for path in sorted(app.rglob("*.py"))
+        if direct.search(path.read_text()) and path.name != "conninfo.py"
+    ]
+    assert found == []
