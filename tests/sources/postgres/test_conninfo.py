@@ -1,11 +1,16 @@
-"""One connection string, two clients: libpq (``conninfo.connect`` and
-``async_connect``) and our replication client read ``ZERO_UPSTREAM_DB`` through the
-same parser, refuse the same strings with the same message, and apply the same
-defaults (docs/postgres-connection.md, "One parser for both")."""
+"""One connection string, two clients.
+
+First the options as ``parse_conninfo`` reads them (libpq's syntax, defaults and
+refusals). Then both clients against one string: libpq (``conninfo.connect`` and
+``async_connect``) and our replication client refuse the same strings with the same
+message and apply the same defaults (docs/postgres-connection.md, "One parser for
+both")."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import pwd
 import re
 import socket
 import struct
@@ -20,11 +25,159 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from app.sources.postgres.connection import ReplicationConnection
 from app.sources.postgres.conninfo import (
     ConnectError,
+    Keepalives,
     async_connect,
     connect,
+    default_socket_dir,
     libpq_conninfo,
     parse_conninfo,
 )
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No PG* variable, ~/.pgpass or ~/.postgresql of whoever runs the tests."""
+    for name in list(os.environ):
+        if name.startswith("PG"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
+# -- the options, as libpq reads them ------------------------------------------------
+
+
+def test_a_url_and_key_value_pairs_give_the_same_parameters() -> None:
+    url = parse_conninfo(
+        "postgres://u:p%40ss@db.example:6000/app?sslmode=require&application_name=x"
+    )
+    kv = parse_conninfo(
+        "host=db.example port=6000 user=u password=p@ss dbname=app sslmode=require "
+        "application_name=x"
+    )
+    assert url == kv
+    assert url.hosts == (("db.example", 6000),)
+    assert (url.user, url.password, url.dbname, url.sslmode) == ("u", "p@ss", "app", "require")
+
+
+def test_what_the_conninfo_leaves_out_comes_from_libpqs_environment_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in {
+        "PGHOST": "envhost",
+        "PGPORT": "6543",
+        "PGUSER": "envuser",
+        "PGPASSWORD": "envpass",
+        "PGDATABASE": "envdb",
+        "PGSSLMODE": "verify-full",
+        "PGAPPNAME": "envapp",
+        "PGCONNECT_TIMEOUT": "1",
+        "PGOPTIONS": "-c work_mem=64MB",
+    }.items():
+        monkeypatch.setenv(name, value)
+    params = parse_conninfo("dbname=given")
+    assert params.hosts == (("envhost", 6543),)
+    assert (params.user, params.password, params.dbname) == ("envuser", "envpass", "given")
+    assert (params.sslmode, params.application_name) == ("verify-full", "envapp")
+    assert params.options == "-c work_mem=64MB"
+    assert params.connect_timeout_s == 2  # libpq's minimum
+
+
+def test_without_a_host_the_default_unix_socket_is_used_and_the_db_is_named_after_the_user() -> (
+    None
+):
+    params = parse_conninfo("user=someone")
+    assert params.hosts == ((default_socket_dir(), 5432),)
+    assert params.dbname == "someone"
+    assert params.sslmode == "prefer"
+    assert params.connect_timeout_s is None
+    assert parse_conninfo("").user == pwd.getpwuid(os.geteuid()).pw_name
+
+
+def test_several_hosts_are_tried_with_their_ports() -> None:
+    assert parse_conninfo("host=a,b,/run/pg port=1,2,3").hosts == (
+        ("a", 1),
+        ("b", 2),
+        ("/run/pg", 3),
+    )
+    assert parse_conninfo("postgres://a,b:7/db").hosts == (("a", 5432), ("b", 7))
+    assert parse_conninfo("host=a,b port=9").hosts == (("a", 9), ("b", 9))
+    with pytest.raises(ConnectError, match="could not match 2 port numbers to 3 hosts"):
+        parse_conninfo("host=a,b,c port=1,2")
+
+
+@pytest.mark.parametrize(
+    ("conninfo", "refused"),
+    [
+        ("service=mine", "service$"),
+        ("hostaddr=10.0.0.1", "hostaddr$"),
+        ("sslpassword=secret", "sslpassword$"),
+        ("target_session_attrs=read-write", "target_session_attrs='read-write'"),
+        ("client_encoding=LATIN1", "client_encoding='LATIN1'"),
+    ],
+)
+def test_options_that_would_change_the_connection_are_refused_by_name(
+    conninfo: str, refused: str
+) -> None:
+    with pytest.raises(ConnectError, match=f"does not support {refused}"):
+        parse_conninfo(conninfo)
+
+
+def test_options_that_only_tune_what_we_do_not_do_are_accepted() -> None:
+    parse_conninfo(
+        "keepalives=1 keepalives_idle=30 sslsni=0 client_encoding=utf8 gssencmode=prefer"
+    )
+    with pytest.raises(ConnectError, match="invalid connection string"):
+        parse_conninfo("no_such_option=1")
+    with pytest.raises(ConnectError, match="invalid sslmode"):
+        parse_conninfo("sslmode=sometimes")
+
+
+@pytest.mark.parametrize(
+    ("spec", "refusal"),
+    [
+        ("md5,!password", 'negative require_auth method "!password" cannot be mixed'),
+        ("!md5,password", 'non-negative require_auth method "password" cannot be mixed'),
+        ("md5,md5", 'require_auth method "md5" is specified more than once'),
+        ("kerberos", 'invalid require_auth value: "kerberos"'),
+    ],
+)
+def test_a_require_auth_libpq_would_refuse_is_refused(spec: str, refusal: str) -> None:
+    with pytest.raises(ConnectError, match=refusal):
+        parse_conninfo(f"require_auth={spec}")
+
+
+def test_sslrootcert_system_means_verify_full_and_nothing_weaker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert parse_conninfo("sslrootcert=system").sslmode == "verify-full"
+    assert parse_conninfo("sslrootcert=system sslmode=verify-full").sslmode == "verify-full"
+    for weaker in ("disable", "allow", "prefer", "require", "verify-ca"):
+        with pytest.raises(
+            ConnectError,
+            match=f'^weak sslmode "{weaker}" may not be used with sslrootcert=system',
+        ):
+            parse_conninfo(f"postgres://h/db?sslrootcert=system&sslmode={weaker}")
+    monkeypatch.setenv("PGSSLMODE", "require")
+    with pytest.raises(ConnectError, match='weak sslmode "require"'):
+        parse_conninfo("sslrootcert=system")
+
+
+def test_keepalives_and_their_timings_are_read_as_libpq_reads_them() -> None:
+    assert parse_conninfo("").keepalives == Keepalives(True, 60, 10, 6, None)
+    assert parse_conninfo("keepalives_idle=0").keepalives.idle_s == 60
+    params = parse_conninfo(
+        "keepalives=1 keepalives_idle=7 keepalives_interval=3 keepalives_count=4 "
+        "tcp_user_timeout=9000"
+    )
+    assert params.keepalives == Keepalives(True, 7, 3, 4, 9000)
+    assert not parse_conninfo("keepalives=0").keepalives.enabled
+    with pytest.raises(
+        ConnectError, match='invalid integer value "soon" for connection option "keepalives_idle"'
+    ):
+        parse_conninfo("keepalives_idle=soon")
+
+
+# -- both clients, one string -------------------------------------------------------
 
 REFUSED = [
     ("service=upstream", "the replication connection does not support service"),
