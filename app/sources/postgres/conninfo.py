@@ -112,7 +112,8 @@ _TLS_VERSIONS: Final[Mapping[str, ssl.TLSVersion]] = {
 
 
 class ConnectError(ChangeSourceError):
-    """The replication connection could not be made; ``sqlstate`` is the server's, if it said."""
+    """The connection string was refused (by either kind of connection), or the
+    replication connection could not be made; ``sqlstate`` is the server's, if it said."""
 
     def __init__(self, sqlstate: str | None, message: str) -> None:
         super().__init__(message)
