@@ -36,9 +36,9 @@ from app.runtime.replica_runtime import (
     UpstreamSetupError,
     service_over_replica,
 )
+from app.sources.postgres.conninfo import ConnectError, async_connect, parse_conninfo
 from app.sources.postgres.errors import AutoResetRequired, ShardSetupError
 from app.sources.postgres.initial_sync import DEFAULT_WORKERS, InitialSyncError, initial_sync
-from app.sources.postgres.pgwire import ConnectError, parse_conninfo
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import ReplicaRow, check_replica, failover_refusal
 from app.sources.postgres.source import PostgresChangeSource, PostgresSourceOptions
@@ -82,8 +82,8 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
     if not upstream:
         raise UpstreamSetupError("ZERO_UPSTREAM_DB is not set")
     try:
-        # The replication stream connects with our own client (pgwire), which
-        # refuses a few libpq options; say so now, not on every reconnect.
+        # Every upstream connection reads the string through conninfo, which
+        # refuses what the replication client cannot honour: say so now, once.
         parse_conninfo(upstream)
     except ConnectError as e:
         raise UpstreamSetupError(f"upstream {redacted_conninfo(upstream)}: {e}") from e
@@ -178,7 +178,7 @@ def _sync_options(settings: Settings) -> SyncOptions:
 async def _check_failover(upstream: str) -> None:
     """Failover slots need Postgres 17: refuse at once, not at the next initial sync."""
     try:
-        async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as conn:
+        async with await async_connect(upstream, autocommit=True) as conn:
             refusal = failover_refusal(conn.info.server_version)
     except psycopg.Error as e:
         raise UpstreamSetupError(f"upstream {redacted_conninfo(upstream)}: {e}") from e
@@ -246,5 +246,5 @@ async def _restore_if_missing(
 
 
 async def _check(upstream: str, cfg: ShardConfig, replica_version: str) -> ReplicaRow:
-    async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as conn:
+    async with await async_connect(upstream, autocommit=True) as conn:
         return await check_replica(conn, cfg, replica_version)

@@ -69,8 +69,8 @@ async def test_unreachable_upstream_exits_1_naming_the_upstream(
 async def test_an_upstream_option_the_replication_client_refuses_exits_1_naming_it(
     serve_factory: ServeFactory,
 ) -> None:
-    # hostaddr is libpq's; our replication client (pgwire) does not take it, and
-    # says so at start-up rather than on every reconnect of the stream.
+    # hostaddr is libpq's; our replication client does not take it, so no upstream
+    # connection does (conninfo), and the service says so at start-up.
     serve = serve_factory("postgresql://postgres@127.0.0.1/hpf_x?hostaddr=127.0.0.1")
     serve.start()
     assert await serve.wait_exit() == 1

@@ -37,6 +37,7 @@ from psycopg import sql as pgsql
 from app.protocol import canonical_json
 from app.protocol.lexi import lsn_to_watermark
 from app.sources.base import BackfillRequest, ChangeSourceError
+from app.sources.postgres.conninfo import connect
 from app.sources.postgres.copy_out import CopyOutError, copy_out_rows
 from app.sources.postgres.copy_text import parse_copy_line
 from app.sources.postgres.published import (
@@ -118,7 +119,7 @@ class BackfillReader:
 
     def open(self) -> None:
         with self._lock:
-            conn = psycopg.connect(self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+            conn = connect(self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
             self._conn = conn
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             self._watermark = _import_snapshot_of_new_slot(
@@ -289,7 +290,7 @@ def _import_snapshot_of_new_slot(
     replication stream passes the snapshot's LSN when it reaches it, which tells the
     stream it may complete the backfill even when nothing else is written upstream."""
     name = f"{prefix}bf_{time.time_ns() // 1_000_000}"
-    with psycopg.connect(
+    with connect(
         url, replication="database", autocommit=True, connect_timeout=CONNECT_TIMEOUT_S
     ) as repl:
         # Replication connections speak the simple protocol only: no parameters. The

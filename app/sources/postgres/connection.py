@@ -17,8 +17,9 @@ in progress is read whole, up to Postgres' 1 GB limit). Writing is
 ``transport.write`` with a wait for ``resume_writing`` when the transport's
 buffer is over its limit. Every wait is bounded.
 
-Connecting (conninfo, TLS, authentication) is ``pgwire``'s. When the server ends
-the stream (``pg_terminate_backend``, shutdown, an error) the next read raises
+Connecting is ``conninfo``'s (the options) and ``pgwire``'s (TLS, authentication).
+When the server ends the stream (``pg_terminate_backend``, shutdown, an error) the
+next read raises
 :class:`ReplicationStreamEnded` carrying the SQLSTATE of its ErrorResponse, e.g.
 ``57P01`` (admin shutdown: another process took the slot over).
 """
@@ -38,6 +39,13 @@ from typing import Final, Self, TypeAlias, cast, overload
 
 from app.sources.base import ChangeSourceError
 from app.sources.postgres import pgwire
+from app.sources.postgres.conninfo import (
+    CONNECT_TIMEOUT_S,
+    ConnectError,
+    ConnParams,
+    Keepalives,
+    parse_conninfo,
+)
 from app.sources.postgres.pgoutput import format_lsn
 
 __all__ = [
@@ -51,7 +59,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S: Final = 30.0
 SEND_TIMEOUT_S: Final = 30.0
 START_TIMEOUT_S: Final = 30.0
 # close() waits this long for the transport to report itself gone.
@@ -409,7 +416,7 @@ class _Wire(asyncio.Protocol):
             # CVE-2021-23222: bytes injected before the handshake must not be read.
             if not fut.done():
                 fut.set_exception(
-                    pgwire.ConnectError(None, "received unencrypted data after the SSL response")
+                    ConnectError(None, "received unencrypted data after the SSL response")
                 )
             return b""
         if not fut.done():
@@ -436,7 +443,7 @@ class ReplicationConnection:
         """Tries each host in turn (and for ``sslmode=allow``, plain then TLS), each
         attempt within ``connect_timeout`` (else ``timeout_s``): a host that takes
         the whole wait leaves the next one its own."""
-        params = pgwire.parse_conninfo(conninfo)
+        params = parse_conninfo(conninfo)
         per_attempt_s = params.connect_timeout_s or timeout_s
         failures: list[str] = []
         sqlstate: str | None = None
@@ -458,10 +465,10 @@ class ReplicationConnection:
                 except TimeoutError:
                     reason = f"timeout expired after {per_attempt_s:g} s"
                     failures.append(f"connection to server {where} failed: {reason}")
-                except (OSError, pgwire.ConnectError) as e:
+                except (OSError, ConnectError) as e:
                     sqlstate = getattr(e, "sqlstate", None)
                     failures.append(f"connection to server {where} failed: {e or repr(e)}")
-        raise pgwire.ConnectError(sqlstate, "; ".join(failures))
+        raise ConnectError(sqlstate, "; ".join(failures))
 
     @property
     def backend_pid(self) -> int:
@@ -619,7 +626,7 @@ def _frame(payload: Payload, size: int, pieces_over: int | None) -> memoryview |
     return FramePieces(chunks, size)
 
 
-async def _open(params: pgwire.ConnParams, host: str, port: int, *, tls: bool) -> tuple[_Wire, int]:
+async def _open(params: ConnParams, host: str, port: int, *, tls: bool) -> tuple[_Wire, int]:
     """One connection to one host, through startup: the wire and the backend's pid."""
     loop = asyncio.get_running_loop()
     wire = _Wire()
@@ -642,7 +649,7 @@ async def _open(params: pgwire.ConnParams, host: str, port: int, *, tls: bool) -
                 wire.use(transport)
                 session = _session(transport, context)
             elif params.sslmode not in ("prefer", "allow"):
-                raise pgwire.ConnectError(None, "server does not support SSL, but SSL was required")
+                raise ConnectError(None, "server does not support SSL, but SSL was required")
         startup = pgwire.Startup(params, host, port, tls=session)
         wire.write(startup.message())
         while not startup.ready:
@@ -665,7 +672,7 @@ def _session(transport: asyncio.Transport, context: ssl.SSLContext) -> pgwire.Tl
     )
 
 
-def _set_keepalives(transport: asyncio.Transport, keepalives: pgwire.Keepalives) -> None:
+def _set_keepalives(transport: asyncio.Transport, keepalives: Keepalives) -> None:
     """TCP keepalives as libpq sets them (on by default): a server that vanished
     without a FIN (a host gone, a NAT that forgot us) is noticed, not waited for."""
     sock = transport.get_extra_info("socket")

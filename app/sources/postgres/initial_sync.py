@@ -47,6 +47,7 @@ from app.replica.ddl import (
 )
 from app.replica.lite_types import JSON_STRINGIFIED, lite_value
 from app.replica.schema import init_replica, open_replica, remove_replica_files
+from app.sources.postgres.conninfo import async_connect, connect
 from app.sources.postgres.copy_out import copy_out_rows
 from app.sources.postgres.copy_text import parse_copy_line
 from app.sources.postgres.published import PublishedSchema, TableSpec, published_schema
@@ -117,7 +118,7 @@ async def initial_sync(
     failover slot (``ZERO_UPSTREAM_PG_REPLICATION_SLOT_FAILOVER``, Postgres 17+).
     """
     started = time.monotonic()
-    async with await psycopg.AsyncConnection.connect(upstream_url, autocommit=True) as conn:
+    async with await async_connect(upstream_url, autocommit=True) as conn:
         internal = await setup_shard(conn, cfg)
         registry = await load_type_registry(conn)
     publications = tuple(sorted(internal.publications))
@@ -136,7 +137,7 @@ async def initial_sync(
             upstream_url, slot, publications, registry, staging, workers
         )
         context = _server_context()
-        async with await psycopg.AsyncConnection.connect(upstream_url, autocommit=True) as conn:
+        async with await async_connect(upstream_url, autocommit=True) as conn:
             await record_sync(conn, cfg, slot.replica_id, schema, context)
     except BaseException as e:
         await slot.close()
@@ -229,7 +230,7 @@ async def _copy_into(
 
 
 async def _snapshot_connection(url: str, snapshot: str) -> psycopg.AsyncConnection[Any]:
-    conn = await psycopg.AsyncConnection.connect(url)
+    conn = await async_connect(url)
     try:
         await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         await conn.execute(pgsql.SQL("SET TRANSACTION SNAPSHOT {}").format(pgsql.Literal(snapshot)))
@@ -265,7 +266,7 @@ def _copy_tables(
     them and inserts them with its own SQLite connection does the whole job with no
     hand-offs; the event loop only waits (and logs progress).
     """
-    with psycopg.connect(url, autocommit=True) as conn:
+    with connect(url, autocommit=True) as conn:
         conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         conn.execute(pgsql.SQL("SET TRANSACTION SNAPSHOT {}").format(pgsql.Literal(snapshot)))
         lite = sqlite3.connect(staging, isolation_level=None, timeout=LITE_BUSY_TIMEOUT_S)

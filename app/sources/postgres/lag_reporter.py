@@ -46,6 +46,7 @@ import psycopg
 
 from app.protocol.lexi import parse_state_version, to_lexi
 from app.protocol.messages import Status
+from app.sources.postgres.conninfo import async_connect
 from app.sources.postgres.pgoutput import format_lsn, parse_lsn
 from app.timeouts import within
 
@@ -119,7 +120,7 @@ class PgEmitter:
 
     async def _emit(self, prefix: str, report_id: str, send_time_ms: int) -> tuple[int, float]:
         if self._conn is None or self._conn.closed:
-            self._conn = await psycopg.AsyncConnection.connect(
+            self._conn = await async_connect(
                 self._url,
                 autocommit=True,
                 connect_timeout=max(1, int(self._timeout_s)),

@@ -1,54 +1,41 @@
-"""Getting a replication connection established: conninfo, TLS, startup and authentication.
+"""Getting a replication connection established: TLS, startup and authentication.
 
-Everything here is sans-I/O (``connection`` does the reading and writing): what the
-connection string and the environment ask for (:func:`parse_conninfo`), the TLS
-context (:func:`ssl_context`), and the startup conversation as a state machine
-(:class:`Startup`: each server message in, the bytes to answer out).
+Everything here is sans-I/O (``connection`` does the reading and writing; the
+connection string is ``conninfo``'s): the TLS context (:func:`ssl_context`), the
+password file (:func:`password_from_file`), SCRAM (:class:`ScramSha256`) and the
+startup conversation as a state machine (:class:`Startup`: each server message in,
+the bytes to answer out). The one thing it schedules is SCRAM's key derivation, in
+a worker thread (``asyncio.to_thread``), so that a slow one never stalls the loop.
 
 The options and what each does are in docs/postgres-connection.md. In short, as
 libpq does it, and where this client is stricter, why:
 
-* conninfo as a URL or ``key=value`` (``psycopg.conninfo.conninfo_to_dict``); what it
-  leaves out comes from libpq's own defaults table (``PQconndefaults``: ``PGHOST``,
-  ``PGPORT``, ``PGUSER`` (else the OS user), ``PGPASSWORD``, ``PGDATABASE`` (else the
-  user), ``PGSSLMODE``, ``PGAPPNAME``, ``PGOPTIONS``, ``PGCONNECT_TIMEOUT``, ...);
-  the password file (``passfile`` / ``PGPASSFILE`` / ``~/.pgpass``, ignored when
-  group- or world-readable);
-* several hosts (``host=a,b port=1,2``), tried in order, each with its own
-  ``connect_timeout``; a host starting with ``/`` is a Unix socket directory;
 * ``sslmode`` disable / allow / prefer / require / verify-ca / verify-full with
-  ``sslrootcert`` (``system``: the default CA store, which makes ``verify-full`` the
-  default and refuses weaker modes), ``sslcert``, ``sslkey`` (refused when others
-  may read it), ``ssl_min_protocol_version`` and ``ssl_max_protocol_version``; a
-  root certificate that exists makes even ``require`` verify the server's chain;
+  ``sslrootcert`` (``system``: the default CA store), ``sslcert``, ``sslkey``
+  (refused when others may read it), ``ssl_min_protocol_version`` and
+  ``ssl_max_protocol_version``; a root certificate that exists makes even
+  ``require`` verify the server's chain;
+* the password file (``passfile`` / ``PGPASSFILE`` / ``~/.pgpass``, ignored when
+  group- or world-readable);
 * authentication: trust, cleartext password, MD5, SCRAM-SHA-256 and, over TLS,
   SCRAM-SHA-256-PLUS (``channel_binding`` disable / prefer / require, with
   ``tls-server-end-point``); ``require_auth`` (a list of methods, or of ``!``
   methods to refuse). Stricter than libpq: a cleartext or MD5 password is only
   sent over a Unix socket, to a loopback address or over TLS whose server was
   verified, unless ``require_auth`` names the method; a SCRAM exchange of more
-  than :data:`MAX_SCRAM_ITERATIONS` iterations is refused, and the key is
-  derived in a worker thread, never on the event loop;
-* TCP keepalives (``keepalives``, ``keepalives_idle``, ``keepalives_interval``,
-  ``keepalives_count``) and ``tcp_user_timeout``, set on the socket.
+  than :data:`MAX_SCRAM_ITERATIONS` iterations is refused.
 
-Refused with a clear :class:`ConnectError`: every other option with a value
-(``service``, ``hostaddr``, ``sslcrl``, ``sslpassword``, ``target_session_attrs``
-other than ``any``, ``gssencmode=require``, a client encoding other than UTF-8,
-...), and Kerberos, GSSAPI, SSPI or SCM authentication. A server message that does
-not parse is a :class:`ConnectError` too, so the next host is tried. Options that
-only tune what we do not do (``sslsni``, ``krbsrvname``...) are accepted and
-ignored.
+Refused with a clear :class:`~app.sources.postgres.conninfo.ConnectError`:
+Kerberos, GSSAPI, SSPI or SCM authentication. A server message that does not parse
+is a ``ConnectError`` too, so the next host is tried.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import getpass
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import secrets
@@ -61,25 +48,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-import psycopg
-from psycopg import pq
-from psycopg.conninfo import conninfo_to_dict
-
-from app.sources.base import ChangeSourceError
+from app.sources.postgres.conninfo import (
+    ConnectError,
+    ConnParams,
+    default_socket_dir,
+    is_local,
+)
 
 __all__ = [
     "SSL_REQUEST",
     "TERMINATE",
-    "ConnParams",
-    "ConnectError",
     "ScramSha256",
     "Startup",
+    "TlsSession",
     "describe",
     "error_fields",
     "md5_password",
     "message",
-    "parse_conninfo",
     "password_from_file",
+    "server_end_point",
     "ssl_context",
 ]
 
@@ -88,72 +75,12 @@ log = logging.getLogger(__name__)
 PROTOCOL_3_0: Final = 196608
 SSL_REQUEST: Final = struct.pack("!II", 8, 80877103)
 TERMINATE: Final = b"X\x00\x00\x00\x04"
-DEFAULT_PORT: Final = 5432
-SSLMODES: Final = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 
 # A server may ask for this many PBKDF2 iterations at most (Postgres' default is
 # 4,096): each costs the client ~0.25 µs here, and a hostile server must not make a
 # connection attempt cost minutes of CPU (INT_MAX would).
 MAX_SCRAM_ITERATIONS: Final = 1_000_000
-AUTH_METHODS: Final = ("password", "md5", "scram-sha-256", "gss", "sspi", "none")
-CHANNEL_BINDINGS: Final = ("disable", "prefer", "require")
 
-# Options this module implements.
-_USED: Final = frozenset(
-    {
-        "host",
-        "port",
-        "user",
-        "password",
-        "passfile",
-        "dbname",
-        "connect_timeout",
-        "application_name",
-        "fallback_application_name",
-        "options",
-        "sslmode",
-        "sslrootcert",
-        "sslcert",
-        "sslkey",
-        "ssl_min_protocol_version",
-        "ssl_max_protocol_version",
-        "require_auth",
-        "channel_binding",
-        "keepalives",
-        "keepalives_idle",
-        "keepalives_interval",
-        "keepalives_count",
-        "tcp_user_timeout",
-    }
-)
-# Options that tune only what we do not do: accepted, and without effect.
-_IGNORED: Final = frozenset(
-    {
-        "sslcompression",
-        "sslsni",
-        "krbsrvname",
-        "gsslib",
-        "gssdelegation",
-    }
-)
-# Options accepted only with these values (libpq's defaults and their equivalents).
-_ACCEPTED: Final[Mapping[str, frozenset[str]]] = {
-    "replication": frozenset({"database"}),
-    "client_encoding": frozenset({"utf8", "utf-8", "unicode"}),
-    "gssencmode": frozenset({"disable", "prefer"}),
-    "target_session_attrs": frozenset({"any"}),
-    "load_balance_hosts": frozenset({"disable"}),
-    "sslnegotiation": frozenset({"postgres"}),
-    "sslcertmode": frozenset({"allow"}),
-    "min_protocol_version": frozenset({"3.0"}),
-    "max_protocol_version": frozenset({"3.0"}),
-}
-_TLS_VERSIONS: Final[Mapping[str, ssl.TLSVersion]] = {
-    "tlsv1": ssl.TLSVersion.TLSv1,
-    "tlsv1.1": ssl.TLSVersion.TLSv1_1,
-    "tlsv1.2": ssl.TLSVersion.TLSv1_2,
-    "tlsv1.3": ssl.TLSVersion.TLSv1_3,
-}
 _AUTH_NAMES: Final[Mapping[int, str]] = {
     2: "Kerberos V5",
     6: "SCM credentials",
@@ -161,212 +88,6 @@ _AUTH_NAMES: Final[Mapping[int, str]] = {
     8: "GSSAPI",
     9: "SSPI",
 }
-
-
-class ConnectError(ChangeSourceError):
-    """The replication connection could not be made; ``sqlstate`` is the server's, if it said."""
-
-    def __init__(self, sqlstate: str | None, message: str) -> None:
-        super().__init__(message)
-        self.sqlstate = sqlstate
-
-
-@dataclass(frozen=True, slots=True)
-class AuthPolicy:
-    """``require_auth``: the methods the server may use (``none``: no authentication)."""
-
-    spec: str | None  # as given, for messages (None: not given, everything allowed)
-    allowed: frozenset[str]
-    named: frozenset[str]  # listed without ``!``: the operator asked for exactly these
-
-    def check(self, method: str, requested: str) -> None:
-        if method not in self.allowed:
-            raise ConnectError(
-                None,
-                f'authentication method requirement "{self.spec}" failed: '
-                f"server requested {requested}",
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class Keepalives:
-    """TCP keepalives: on unless ``keepalives=0``, as libpq. Unlike libpq, the
-    timings default to a dead peer noticed within about two minutes (60 s idle,
-    then 6 probes 10 s apart) rather than the system's two hours: a server with
-    ``wal_sender_timeout=0`` sends nothing while idle, and a host that vanished
-    without a FIN would otherwise hold the stream for hours."""
-
-    enabled: bool = True
-    idle_s: int = 60
-    interval_s: int = 10
-    count: int = 6
-    user_timeout_ms: int | None = None  # tcp_user_timeout; None: the system's
-
-
-@dataclass(frozen=True, slots=True)
-class ConnParams:
-    """A connection string with libpq's defaults applied."""
-
-    hosts: tuple[tuple[str, int], ...]  # (name, address or socket directory; port)
-    user: str
-    dbname: str
-    password: str | None
-    passfile: str
-    application_name: str | None
-    options: str | None
-    sslmode: str
-    sslrootcert: str
-    sslcert: str
-    sslkey: str
-    ssl_min_version: ssl.TLSVersion
-    ssl_max_version: ssl.TLSVersion | None
-    connect_timeout_s: float | None
-    auth: AuthPolicy = AuthPolicy(None, frozenset(AUTH_METHODS), frozenset())
-    channel_binding: str = "prefer"
-    keepalives: Keepalives = Keepalives()
-
-
-def default_socket_dir() -> str:
-    return "/var/run/postgresql" if os.path.isdir("/var/run/postgresql") else "/tmp"
-
-
-def parse_conninfo(conninfo: str) -> ConnParams:
-    try:
-        given = conninfo_to_dict(conninfo)
-    except psycopg.Error as e:
-        raise ConnectError(None, f"invalid connection string: {e}") from e
-    values = {
-        o.keyword.decode(): o.val.decode() for o in pq.Conninfo.get_defaults() if o.val is not None
-    }
-    given_values = {k: str(v) for k, v in given.items() if v is not None and str(v) != ""}
-    values.update(given_values)
-    for key, value in values.items():
-        if key in _USED or key in _IGNORED or value.lower() in _ACCEPTED.get(key, ()):
-            continue
-        shown = f"{key}={value!r}" if key in _ACCEPTED else key  # not a secret's value
-        raise ConnectError(None, f"the replication connection does not support {shown}")
-
-    hosts = values.get("host", "").split(",")
-    ports = values.get("port", "").split(",")
-    if len(ports) == 1:
-        ports *= len(hosts)
-    if len(ports) != len(hosts):
-        raise ConnectError(None, f"could not match {len(ports)} port numbers to {len(hosts)} hosts")
-    try:
-        targets = tuple(
-            (host or default_socket_dir(), int(port) if port else DEFAULT_PORT)
-            for host, port in zip(hosts, ports, strict=True)
-        )
-    except ValueError as e:
-        raise ConnectError(None, f"invalid port number in {values.get('port')!r}") from e
-
-    home = os.path.expanduser("~")
-    sslrootcert = values.get("sslrootcert") or os.path.join(home, ".postgresql", "root.crt")
-    sslmode = _sslmode(values, sslrootcert, explicit="sslmode" in given_values)
-    channel_binding = values.get("channel_binding", "prefer")
-    if channel_binding not in CHANNEL_BINDINGS:
-        raise ConnectError(None, f'invalid channel_binding value: "{channel_binding}"')
-    if channel_binding == "require" and sslmode == "disable":
-        raise ConnectError(None, 'channel_binding=require needs TLS, but sslmode is "disable"')
-    timeout = _integer(values, "connect_timeout") or 0
-    tls_min = values.get("ssl_min_protocol_version", "TLSv1.2")
-    tls_max = values.get("ssl_max_protocol_version")
-    for version in (tls_min, tls_max):
-        if version is not None and version.lower() not in _TLS_VERSIONS:
-            raise ConnectError(None, f"invalid SSL protocol version {version!r}")
-    user = values.get("user") or getpass.getuser()
-    return ConnParams(
-        hosts=targets,
-        user=user,
-        dbname=values.get("dbname") or user,
-        password=values.get("password"),
-        passfile=values.get("passfile") or os.path.join(home, ".pgpass"),
-        application_name=values.get("application_name") or values.get("fallback_application_name"),
-        options=values.get("options") or None,
-        sslmode=sslmode,
-        sslrootcert=sslrootcert,
-        sslcert=values.get("sslcert") or os.path.join(home, ".postgresql", "postgresql.crt"),
-        sslkey=values.get("sslkey") or os.path.join(home, ".postgresql", "postgresql.key"),
-        ssl_min_version=_TLS_VERSIONS[tls_min.lower()],
-        ssl_max_version=None if tls_max is None else _TLS_VERSIONS[tls_max.lower()],
-        # libpq: 0 or less waits forever, and less than 2 s is 2 s.
-        connect_timeout_s=None if timeout <= 0 else float(max(timeout, 2)),
-        auth=_require_auth(values.get("require_auth")),
-        channel_binding=channel_binding,
-        keepalives=_keepalives(values),
-    )
-
-
-def _sslmode(values: Mapping[str, str], sslrootcert: str, *, explicit: bool) -> str:
-    """``sslmode``; with ``sslrootcert=system``, as libpq: verify-full unless set, and
-    nothing weaker (the system's CAs sign certificates for anyone's host name)."""
-    explicit = explicit or bool(os.environ.get("PGSSLMODE"))
-    sslmode = values.get("sslmode", "prefer")
-    if sslmode not in SSLMODES:
-        raise ConnectError(None, f"invalid sslmode value: {sslmode!r}")
-    if sslrootcert == "system":
-        if not explicit:
-            return "verify-full"
-        if sslmode != "verify-full":
-            raise ConnectError(
-                None,
-                f'weak sslmode "{sslmode}" may not be used with sslrootcert=system '
-                '(use "verify-full")',
-            )
-    return sslmode
-
-
-def _keepalives(values: Mapping[str, str]) -> Keepalives:
-    default = Keepalives()
-    idle, interval, count = (
-        _integer(values, key)
-        for key in ("keepalives_idle", "keepalives_interval", "keepalives_count")
-    )
-    return Keepalives(
-        enabled=_integer(values, "keepalives") != 0,
-        # libpq: 0 (or less) is the system's default; ours is the class's.
-        idle_s=idle if idle is not None and idle > 0 else default.idle_s,
-        interval_s=interval if interval is not None and interval > 0 else default.interval_s,
-        count=count if count is not None and count > 0 else default.count,
-        user_timeout_ms=_integer(values, "tcp_user_timeout"),
-    )
-
-
-def _integer(values: Mapping[str, str], key: str) -> int | None:
-    text = values.get(key)
-    if text is None:
-        return None
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise ConnectError(
-            None, f'invalid integer value "{text}" for connection option "{key}"'
-        ) from None
-
-
-def _require_auth(spec: str | None) -> AuthPolicy:
-    """libpq's ``require_auth``: ``md5,scram-sha-256`` allows those; ``!password,!md5``
-    allows all but those; one or the other, each method once."""
-    if not spec:
-        return AuthPolicy(None, frozenset(AUTH_METHODS), frozenset())
-    negated = spec.startswith("!")
-    seen: set[str] = set()
-    for item in spec.split(","):
-        name = item[1:] if item.startswith("!") else item
-        if item.startswith("!") != negated:
-            kind = "negative" if item.startswith("!") else "non-negative"
-            other = "non-negative" if item.startswith("!") else "negative"
-            raise ConnectError(
-                None, f'{kind} require_auth method "{item}" cannot be mixed with {other} methods'
-            )
-        if name not in AUTH_METHODS:
-            raise ConnectError(None, f'invalid require_auth value: "{name}"')
-        if name in seen:
-            raise ConnectError(None, f'require_auth method "{name}" is specified more than once')
-        seen.add(name)
-    if negated:
-        return AuthPolicy(spec, frozenset(AUTH_METHODS) - seen, frozenset())
-    return AuthPolicy(spec, frozenset(seen), frozenset(seen))
 
 
 def password_from_file(passfile: str, host: str, port: int, dbname: str, user: str) -> str | None:
@@ -697,16 +418,6 @@ class TlsSession:
 
     verified: bool
     end_point: bytes | None
-
-
-def is_local(host: str) -> bool:
-    """A Unix socket directory or a loopback address: no network between us and it."""
-    if host.startswith("/") or host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # What the messages name the server's requests (libpq's wording).

@@ -27,6 +27,7 @@ from psycopg import sql as pgsql
 
 from app.protocol import canonical_json
 from app.protocol.lexi import lsn_to_watermark
+from app.sources.postgres.conninfo import ConnectError, async_connect
 from app.sources.postgres.errors import AutoResetRequired, SlotCreationError
 from app.sources.postgres.published import PublishedSchema
 from app.sources.postgres.shard import ShardConfig, drop_shard
@@ -183,15 +184,13 @@ async def create_replication_slot(
     makes a failover slot (Postgres 17+; :class:`SlotCreationError` before that).
     """
     replica_id = replica_id or str(int(time.time() * 1000))
-    conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
+    conn = await async_connect(conninfo, autocommit=True)
     repl: psycopg.AsyncConnection[Any] | None = None
     try:
         refusal = failover_refusal(conn.info.server_version) if failover else None
         if refusal is not None:
             raise SlotCreationError(refusal)
-        repl = await psycopg.AsyncConnection.connect(
-            conninfo, replication="database", autocommit=True
-        )
+        repl = await async_connect(conninfo, replication="database", autocommit=True)
         for first in (True, False):
             await drop_unclaimed_slots(conn, cfg)
             try:
@@ -496,7 +495,7 @@ async def drop_slot(conninfo: str, slot_name: str) -> bool:
     error paths where the original error matters more).
     """
     try:
-        async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+        async with await async_connect(conninfo, autocommit=True) as conn:
             for _ in range(_DROP_ATTEMPTS):
                 cur = await conn.execute(
                     "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
@@ -517,6 +516,6 @@ async def drop_slot(conninfo: str, slot_name: str) -> bool:
                     await asyncio.sleep(_DROP_RETRY_S)
             log.warning("replication slot %s is still in use; not dropped", slot_name)
             return False
-    except psycopg.Error as e:
+    except (psycopg.Error, ConnectError) as e:
         log.warning("unable to drop replication slot %s: %s", slot_name, e)
         return False

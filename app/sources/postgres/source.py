@@ -56,6 +56,7 @@ from app.sources.postgres.connection import (
     ReplicationStreamEnded,
     StartReplicationError,
 )
+from app.sources.postgres.conninfo import async_connect
 from app.sources.postgres.lag_reporter import LagReporter, PgEmitter, message_prefix
 from app.sources.postgres.mapper import ChangeMapper, MappingError, ShardId
 from app.sources.postgres.pgoutput import (
@@ -196,7 +197,7 @@ class PostgresChangeSource(ChangeSource):
         self, after_watermark: str, backfill_requests: list[BackfillRequest]
     ) -> ChangeStream:
         opts = self._options
-        async with await psycopg.AsyncConnection.connect(self._url, autocommit=True) as conn:
+        async with await async_connect(self._url, autocommit=True) as conn:
             registry = self._registry = await load_type_registry(conn)
             wal_sender_timeout_s = await _wal_sender_timeout_s(conn)
             await _take_over_slot(conn, opts.slot)
@@ -414,7 +415,7 @@ class PostgresChangeStream(ChangeStream):
         from a frame of any size: mapped, then the stream's bookkeeping."""
         try:
             if isinstance(message, Relation) and self._mapper.needs_types(message):
-                async with await psycopg.AsyncConnection.connect(self._url) as conn:
+                async with await async_connect(self._url) as conn:
                     self._mapper.registry = await load_type_registry(conn)
             if large:
                 message = await self._mapper.materialize(message)

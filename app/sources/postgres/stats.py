@@ -26,6 +26,7 @@ from typing import Any, Final
 import psycopg
 from psycopg import sql
 
+from app.sources.postgres.conninfo import async_connect
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import slot_name_prefix
 from app.timeouts import within
@@ -51,7 +52,7 @@ class SlotWal:
 
 
 async def _connect(url: str, timeout_s: float) -> psycopg.AsyncConnection[Any]:
-    return await psycopg.AsyncConnection.connect(
+    return await async_connect(
         url,
         autocommit=True,
         connect_timeout=max(1, int(timeout_s)),

@@ -33,6 +33,7 @@ from app.sources.postgres.connection import (
     ReplicationStreamEnded,
     StartReplicationError,
 )
+from app.sources.postgres.conninfo import ConnectError
 from app.sources.postgres.pgoutput import (
     Begin,
     Commit,
@@ -45,7 +46,6 @@ from app.sources.postgres.pgoutput import (
     parse_lsn,
     standby_status_update,
 )
-from app.sources.postgres.pgwire import ConnectError
 from tests.sources.postgres.tls_certs import make_certs
 
 MIN_CHUNK_BYTES = 64 << 10

@@ -1,8 +1,8 @@
-"""Connecting as libpq does: conninfo and its defaults, the password file, SCRAM,
-MD5, cleartext passwords and TLS.
+"""Connecting as libpq does: the password file, SCRAM, MD5, cleartext passwords and
+TLS (the connection string's options are test_conninfo's).
 
 The first half is the sans-I/O part against known answers (RFC 7677's SCRAM
-example, MD5's formula, libpq's defaults). The second logs in to a private
+example, MD5's formula, libpq's rules). The second logs in to a private
 Postgres started for this module (the shared server trusts everyone and has no
 TLS): its pg_hba asks each user for another method, and it serves TLS with a
 certificate of a CA made here. Without the server binaries (or openssl, for
@@ -28,8 +28,13 @@ import pytest
 
 from app.sources.postgres import pgwire
 from app.sources.postgres.connection import FramePieces, ReplicationConnection
+from app.sources.postgres.conninfo import (
+    ConnectError,
+    default_socket_dir,
+    parse_conninfo,
+)
 from app.sources.postgres.pgoutput import Insert, XLogData, decode_message, parse_copy_data
-from app.sources.postgres.pgwire import ConnectError, ScramSha256, Startup, parse_conninfo
+from app.sources.postgres.pgwire import ScramSha256, Startup
 from tests.sources.postgres.tls_certs import make_certs
 
 
@@ -82,95 +87,6 @@ def test_md5_answer_is_md5_of_md5_of_password_and_user_then_salt() -> None:
     assert pgwire.md5_password("alice", "secret", b"\x01\x02\x03\x04") == expected.encode()
 
 
-# -- conninfo --------------------------------------------------------------------------
-
-
-def test_a_url_and_key_value_pairs_give_the_same_parameters() -> None:
-    url = parse_conninfo(
-        "postgres://u:p%40ss@db.example:6000/app?sslmode=require&application_name=x"
-    )
-    kv = parse_conninfo(
-        "host=db.example port=6000 user=u password=p@ss dbname=app sslmode=require "
-        "application_name=x"
-    )
-    assert url == kv
-    assert url.hosts == (("db.example", 6000),)
-    assert (url.user, url.password, url.dbname, url.sslmode) == ("u", "p@ss", "app", "require")
-
-
-def test_what_the_conninfo_leaves_out_comes_from_libpqs_environment_variables(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    for name, value in {
-        "PGHOST": "envhost",
-        "PGPORT": "6543",
-        "PGUSER": "envuser",
-        "PGPASSWORD": "envpass",
-        "PGDATABASE": "envdb",
-        "PGSSLMODE": "verify-full",
-        "PGAPPNAME": "envapp",
-        "PGCONNECT_TIMEOUT": "1",
-        "PGOPTIONS": "-c work_mem=64MB",
-    }.items():
-        monkeypatch.setenv(name, value)
-    params = parse_conninfo("dbname=given")
-    assert params.hosts == (("envhost", 6543),)
-    assert (params.user, params.password, params.dbname) == ("envuser", "envpass", "given")
-    assert (params.sslmode, params.application_name) == ("verify-full", "envapp")
-    assert params.options == "-c work_mem=64MB"
-    assert params.connect_timeout_s == 2  # libpq's minimum
-
-
-def test_without_a_host_the_default_unix_socket_is_used_and_the_db_is_named_after_the_user() -> (
-    None
-):
-    params = parse_conninfo("user=someone")
-    assert params.hosts == ((pgwire.default_socket_dir(), 5432),)
-    assert params.dbname == "someone"
-    assert params.sslmode == "prefer"
-    assert params.connect_timeout_s is None
-    assert parse_conninfo("").user == pwd.getpwuid(os.geteuid()).pw_name
-
-
-def test_several_hosts_are_tried_with_their_ports() -> None:
-    assert parse_conninfo("host=a,b,/run/pg port=1,2,3").hosts == (
-        ("a", 1),
-        ("b", 2),
-        ("/run/pg", 3),
-    )
-    assert parse_conninfo("postgres://a,b:7/db").hosts == (("a", 5432), ("b", 7))
-    assert parse_conninfo("host=a,b port=9").hosts == (("a", 9), ("b", 9))
-    with pytest.raises(ConnectError, match="could not match 2 port numbers to 3 hosts"):
-        parse_conninfo("host=a,b,c port=1,2")
-
-
-@pytest.mark.parametrize(
-    ("conninfo", "refused"),
-    [
-        ("service=mine", "service$"),
-        ("hostaddr=10.0.0.1", "hostaddr$"),
-        ("sslpassword=secret", "sslpassword$"),
-        ("target_session_attrs=read-write", "target_session_attrs='read-write'"),
-        ("client_encoding=LATIN1", "client_encoding='LATIN1'"),
-    ],
-)
-def test_options_that_would_change_the_connection_are_refused_by_name(
-    conninfo: str, refused: str
-) -> None:
-    with pytest.raises(ConnectError, match=f"does not support {refused}"):
-        parse_conninfo(conninfo)
-
-
-def test_options_that_only_tune_what_we_do_not_do_are_accepted() -> None:
-    parse_conninfo(
-        "keepalives=1 keepalives_idle=30 sslsni=0 client_encoding=utf8 gssencmode=prefer"
-    )
-    with pytest.raises(ConnectError, match="invalid connection string"):
-        parse_conninfo("no_such_option=1")
-    with pytest.raises(ConnectError, match="invalid sslmode"):
-        parse_conninfo("sslmode=sometimes")
-
-
 # -- the password file -----------------------------------------------------------
 
 
@@ -194,7 +110,7 @@ def test_the_password_file_gives_the_first_matching_line(tmp_path: Path) -> None
     assert pgwire.password_from_file(passfile, "db.example", 5433, "app", "alice") is None
     assert pgwire.password_from_file(passfile, "anywhere", 1, "x", "bob") == "bob:s:pass"
     assert pgwire.password_from_file(passfile, "other:host", 1, "x", "y") == "escaped"
-    socket_dir = pgwire.default_socket_dir()
+    socket_dir = default_socket_dir()
     assert pgwire.password_from_file(passfile, socket_dir, 5432, "x", "carol") == "on-the-socket"
 
 
@@ -353,20 +269,6 @@ async def test_require_auth_lets_through_the_methods_it_names() -> None:
     assert (await s.receive(ord("R"), auth_request(10, b"SCRAM-SHA-256\x00\x00"))).startswith(b"p")
 
 
-@pytest.mark.parametrize(
-    ("spec", "refusal"),
-    [
-        ("md5,!password", 'negative require_auth method "!password" cannot be mixed'),
-        ("!md5,password", 'non-negative require_auth method "password" cannot be mixed'),
-        ("md5,md5", 'require_auth method "md5" is specified more than once'),
-        ("kerberos", 'invalid require_auth value: "kerberos"'),
-    ],
-)
-def test_a_require_auth_libpq_would_refuse_is_refused(spec: str, refusal: str) -> None:
-    with pytest.raises(ConnectError, match=refusal):
-        parse_conninfo(f"require_auth={spec}")
-
-
 def client_first_of(answer: bytes) -> tuple[str, bytes]:
     """The mechanism and client-first-message in a SASLInitialResponse."""
     mechanism, rest = answer[5:].split(b"\x00", 1)
@@ -466,37 +368,6 @@ async def test_a_server_first_message_that_does_not_parse_is_a_connect_error() -
         await s.receive(ord("R"), auth_request(10, b"SCRAM-SHA-256\x00\x00"))
         with pytest.raises(ConnectError):
             await s.receive(ord("R"), auth_request(11, server_first))
-
-
-def test_sslrootcert_system_means_verify_full_and_nothing_weaker(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert parse_conninfo("sslrootcert=system").sslmode == "verify-full"
-    assert parse_conninfo("sslrootcert=system sslmode=verify-full").sslmode == "verify-full"
-    for weaker in ("disable", "allow", "prefer", "require", "verify-ca"):
-        with pytest.raises(
-            ConnectError,
-            match=f'^weak sslmode "{weaker}" may not be used with sslrootcert=system',
-        ):
-            parse_conninfo(f"postgres://h/db?sslrootcert=system&sslmode={weaker}")
-    monkeypatch.setenv("PGSSLMODE", "require")
-    with pytest.raises(ConnectError, match='weak sslmode "require"'):
-        parse_conninfo("sslrootcert=system")
-
-
-def test_keepalives_and_their_timings_are_read_as_libpq_reads_them() -> None:
-    assert parse_conninfo("").keepalives == pgwire.Keepalives(True, 60, 10, 6, None)
-    assert parse_conninfo("keepalives_idle=0").keepalives.idle_s == 60
-    params = parse_conninfo(
-        "keepalives=1 keepalives_idle=7 keepalives_interval=3 keepalives_count=4 "
-        "tcp_user_timeout=9000"
-    )
-    assert params.keepalives == pgwire.Keepalives(True, 7, 3, 4, 9000)
-    assert not parse_conninfo("keepalives=0").keepalives.enabled
-    with pytest.raises(
-        ConnectError, match='invalid integer value "soon" for connection option "keepalives_idle"'
-    ):
-        parse_conninfo("keepalives_idle=soon")
 
 
 def test_a_client_key_others_may_read_is_refused(tmp_path: Path) -> None:
