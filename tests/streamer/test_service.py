@@ -609,10 +609,17 @@ async def test_upstream_death_behind_a_wedged_storer_rolls_back_at_once(
         # The commit of 02 makes the storer write, and wait for the connection;
         # what follows queues up behind it.
         stream.push_all(txn("02"))
-        await asyncio.sleep(0.1)
         stream.push_all([begin("03"), *[insert(i) for i in range(50)]])
-        await asyncio.sleep(0.3)
-        assert s.service.storer.ready_for_more() is not None  # upstream is held back
+        # 03 has begun downstream (a stream that dies before its begin is
+        # forwarded owes no rollback), and its changes hold the upstream back.
+        while True:
+            msg = loads(whole(await asyncio.wait_for(ds.get(), 10)))
+            ds.ack_next()
+            if msg == begin("03"):
+                break
+        await eventually(
+            lambda: s.service.storer.ready_for_more() is not None, "upstream is held back"
+        )
         stream.fail(ConnectionError("upstream died"))
         # The rollback arrives while the storer is still stuck.
         while True:
