@@ -13,7 +13,6 @@
 /* Set once by rowrun.py. */
 static PyObject *data_type = NULL;   /* app.protocol.messages.Data */
 static PyObject *change_type = NULL; /* app.streamer.subscriber.Change (a tuple subclass) */
-static PyObject *schema_tags = NULL; /* frozenset of the schema-change tags */
 static PyObject *encode_fast = NULL; /* canonical_json.encode_fast: str or None */
 static PyObject *str_tag = NULL;
 static PyObject *str_body = NULL;
@@ -21,9 +20,9 @@ static PyObject *str_prefix = NULL; /* ["data", */
 static PyObject *str_suffix = NULL; /* ] */
 
 static PyObject *setup(PyObject *self, PyObject *args) {
-    PyObject *data, *change, *tags, *encode;
-    if (!PyArg_ParseTuple(args, "O!O!O!O:setup", &PyType_Type, &data, &PyType_Type, &change,
-                          &PyFrozenSet_Type, &tags, &encode)) {
+    PyObject *data, *change, *encode;
+    if (!PyArg_ParseTuple(args, "O!O!O:setup", &PyType_Type, &data, &PyType_Type, &change,
+                          &encode)) {
         return NULL;
     }
     if (!PyType_IsSubtype((PyTypeObject *)change, &PyTuple_Type)) {
@@ -45,11 +44,9 @@ static PyObject *setup(PyObject *self, PyObject *args) {
     }
     Py_INCREF(data);
     Py_INCREF(change);
-    Py_INCREF(tags);
     Py_INCREF(encode);
     Py_XSETREF(data_type, data);
     Py_XSETREF(change_type, change);
-    Py_XSETREF(schema_tags, tags);
     Py_XSETREF(encode_fast, encode);
     Py_RETURN_NONE;
 }
@@ -130,14 +127,6 @@ static PyObject *encode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (tag == NULL) {
             return NULL;
         }
-        int schema = PySet_Contains(schema_tags, tag);
-        if (schema != 0) {
-            Py_DECREF(tag);
-            if (schema < 0) {
-                return NULL;
-            }
-            break;
-        }
         PyObject *body = PyObject_GetAttr(message, str_body);
         if (body == NULL) {
             Py_DECREF(tag);
@@ -185,7 +174,7 @@ static PyObject *encode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS,
-     "setup(Data, Change, schema_tags, encode_fast): the types and helpers encode_rows uses."},
+     "setup(Data, Change, encode_fast): the types and helpers encode_rows uses."},
     {"encode_rows", (PyCFunction)(void (*)(void))encode_rows, METH_FASTCALL,
      "encode_rows(messages, start, watermark, changes, budget) -> (end, used)."},
     {NULL, NULL, 0, NULL},

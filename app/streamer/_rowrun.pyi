@@ -4,7 +4,6 @@ from typing import Any
 def setup(
     data: type,
     change: type,
-    schema_tags: frozenset[str],
     encode_fast: Callable[[Any], str | None],
     /,
 ) -> None: ...

@@ -9,11 +9,12 @@ consecutive row changes of a batch, so the main loop pays one call per run
 instead of a dispatch per row (see docs/architecture.md, decision 32).
 
 It stops *before* any message it does not handle the common way — not a data
-message, a schema change (the storer keeps bookkeeping for those), a change
-whose canonical JSON is not orjson's text as-is — and the caller dispatches that
-one the general way. It stops *after* the change that fills the flow-control
-``budget`` of forwarded bytes, so the caller can make that change the
-checkpoint.
+message, or a change whose canonical JSON is not orjson's text as-is — and the
+caller dispatches that one the general way. Schema changes are row changes here:
+the storer finds their bookkeeping by tag (``Storer.append``).
+
+It stops *after* the change that fills the flow-control ``budget`` of forwarded
+bytes, so the caller can make that change the checkpoint.
 
 ``app/streamer/_rowrun.c`` is the same function in C; this one is the fallback
 and the reference the tests compare it against.
@@ -26,14 +27,11 @@ from typing import Any
 
 from app import speedups
 from app.protocol.canonical_json import encode_fast
-from app.protocol.changes import SCHEMA_CHANGE_TAGS
 from app.protocol.codec import data_message
 from app.protocol.messages import Data
 from app.streamer.subscriber import Change
 
 __all__ = ["encode_rows"]
-
-_SCHEMA_TAGS = frozenset(SCHEMA_CHANGE_TAGS)
 
 EncodeRows = Callable[[list[Any], int, str, list[Change], int], tuple[int, int]]
 
@@ -59,8 +57,6 @@ def encode_rows_py(
         if type(message) is not Data:
             break
         tag = message.tag
-        if tag in _SCHEMA_TAGS:
-            break
         change_json = encode_fast(message.body)
         if change_json is None:
             break
@@ -78,5 +74,5 @@ _rowrun = speedups.module("rowrun")
 if _rowrun is None:  # not built here, or CHANGESTREAMER_SPEEDUPS=0: same results, slower
     encode_rows = encode_rows_py
 else:
-    _rowrun.setup(Data, Change, _SCHEMA_TAGS, encode_fast)
+    _rowrun.setup(Data, Change, encode_fast)
     encode_rows = _rowrun.encode_rows

@@ -587,7 +587,7 @@ class ChangeStreamerService:
 
     def _change(self, message: ChangeSourceMessage) -> Change:
         """The change of a begin, commit, rollback or data message that ``encode_rows``
-        did not take (a schema change, a value it cannot vouch for); checks that the
+        did not take (a value it cannot vouch for); checks that the
         stream keeps the protocol's order."""
         kind = type(message)
         if kind is Data:

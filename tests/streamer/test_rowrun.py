@@ -19,7 +19,7 @@ from tests.c_helpers import built, needs
 
 _rowrun = built("app.streamer._rowrun")
 if _rowrun is not None and not speedups.ENABLED:  # rowrun set it up only if it uses it
-    _rowrun.setup(Data, Change, rowrun._SCHEMA_TAGS, encode_fast)
+    _rowrun.setup(Data, Change, encode_fast)
 needs_c = needs(_rowrun, "app/streamer/_rowrun.c")
 # Both when the C one is built (they must agree), else the Python one alone.
 ENCODERS = [encode_rows_py] if _rowrun is None else [_rowrun.encode_rows, encode_rows_py]
@@ -99,7 +99,6 @@ def test_a_run_encodes_each_row_once_for_the_log_and_the_wire() -> None:
     ("stopper", "why"),
     [
         (commit(), "not a data message"),
-        (schema_change(), "a schema change: the storer keeps bookkeeping for it"),
         (row(9, price=1.0), "JS writes 1.0 as 1: the general path formats it"),
         (row(9, big=2**70), "beyond orjson: the general path writes it"),
     ],
@@ -108,6 +107,14 @@ def test_a_run_stops_before_what_it_does_not_handle(stopper: Any, why: str) -> N
     end, _, changes = both([row(1), row(2), stopper, row(3)])
     assert end == 2, why
     assert len(changes) == 2
+
+
+def test_a_schema_change_is_encoded_in_the_run() -> None:
+    """The storer finds a schema change's bookkeeping by its tag (Storer.append):
+    the run need not stop for it."""
+    end, _, changes = both([row(1), schema_change(), row(3)])
+    assert end == 3
+    assert changes[1] == Change(W, "drop-table", f'["data",{dumps(schema_change().body)}]')
 
 
 def test_a_run_that_cannot_start_encodes_nothing() -> None:
