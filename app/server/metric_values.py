@@ -21,14 +21,13 @@ from typing import Any
 from app.server.http_protocol import PendingLimits
 from app.sources.base import SourceMetric
 from app.storage import ChangeLog
-from app.streamer.histogram import Histogram
+from app.streamer.histogram import HistogramReading
 from app.streamer.service import ChangeStreamerService
 from app.timeouts import within
 
 __all__ = [
     "ChangeLogRows",
     "ConnectionReadings",
-    "HistogramReading",
     "MetricValues",
     "Readings",
     "StreamerReadings",
@@ -43,32 +42,6 @@ log = logging.getLogger(__name__)
 # A read waits at most this long for the change source's metrics (its own reads
 # are bounded and cached; this guards against a source that is not).
 SOURCE_METRICS_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class HistogramReading:
-    """A copy of a ``Histogram``: counts per bucket (the last one above every bound)."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    sum: float
-
-    @classmethod
-    def of(cls, histogram: Histogram) -> HistogramReading:
-        return cls(histogram.bounds, tuple(histogram.counts), histogram.sum)
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        """``(upper bound, observations at or below it)``, ending with ``+inf``."""
-        out: list[tuple[float, int]] = []
-        total = 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            total += n
-            out.append((bound, total))
-        return out
 
 
 @dataclass(frozen=True, slots=True)
