@@ -166,7 +166,7 @@ def _upstream(service: ChangeStreamerService, r: StreamerReadings) -> dict[str, 
     return {
         "type": service.upstream_type,
         "lastCommit": service.storer.durable,
-        "lastCommitAgeSeconds": _rounded(service.last_commit_age_s()),
+        "lastCommitAgeSeconds": _rounded(service.backups.last_commit_age_s()),
         "lagSeconds": _rounded(r.lag_s),
         "lagReport": latest_lag_report(service),
         "slots": [by_slot[name] for name in sorted(by_slot)],

@@ -230,9 +230,8 @@ class MetricValues:
         storer = service.storer
         subscribers = [*forwarder.active, *forwarder.queued]
         backlogs = [s.buffered_bytes for s in subscribers]
-        write_lag = (
-            service.backup_state.stats().get("lag_seconds") if service.backup_state else None
-        )
+        monitor = service.backups.stats()
+        write_lag = monitor.get("lag_seconds") if monitor is not None else None
         source = self._source
         rows = self.rows.last(service.change_log)
         return StreamerReadings(
@@ -255,8 +254,8 @@ class MetricValues:
             change_log_rows=rows,
             change_log_bytes=self.rows.bytes if rows is not None else None,
             lag_s=lag_seconds(latest_lag_report(service), self._wall_clock()),
-            backup_wedged=service.backup_problem is not None,
-            backup_lag_s=service.backup_lag_seconds(),
+            backup_wedged=service.backups.problem() is not None,
+            backup_lag_s=service.backups.lag_s(),
             backup_write_lag_s=write_lag if isinstance(write_lag, float) else None,
             reservations_open=len(service.reservations.open_tasks),
             purged_rows=service.purger.deleted,

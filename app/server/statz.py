@@ -139,12 +139,12 @@ async def _backup_stats(service: ChangeStreamerService | None) -> dict[str, Any]
     return {
         # Shown to operators and on the dashboard: never its credentials.
         "backupURL": redact(s.options.backup_url) if s.options.backup_url else None,
-        "backupWatermark": s.backup_watermark,
-        "coverageTarget": s.coverage_target,
-        "covered": s.backup_covered,
-        "problem": s.backup_problem,
-        "lagSeconds": s.backup_lag_seconds(),
-        "monitor": s.backup_state.stats() if s.backup_state is not None else None,
+        "backupWatermark": s.backups.watermark,
+        "coverageTarget": s.backups.coverage_target,
+        "covered": s.backups.covered(),
+        "problem": s.backups.problem(),
+        "lagSeconds": s.backups.lag_s(),
+        "monitor": s.backups.stats(),
         "purge": {
             "floor": purger.floor,
             "heldBy": purger.floor_holder,
@@ -211,7 +211,7 @@ async def _replication_stats(service: ChangeStreamerService | None) -> dict[str,
                 # Transactions sent and not acked, and how long the oldest durable
                 # commit it has not acked has been durable.
                 "lagTransactions": sub.unacked_commits,
-                "lagMs": round(s.durable_wait_s(sub.acked) * 1000),
+                "lagMs": round(s.backups.durable_wait_s(sub.acked) * 1000),
                 "missedReleases": sub.missed_releases,
                 "lagging": sub.lagging_since is not None,
             }
