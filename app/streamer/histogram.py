@@ -4,7 +4,7 @@ The streamer's stages count their events here where they already happen (a
 commit forwarded, a group commit, a catch-up done, a checkpoint released): one
 bisect and two additions, no metrics library and no lock, since only the event
 loop's thread writes and reads them; pages and exporters read a
-``HistogramReading`` copy.
+``HistogramReading`` copy (in the service's snapshot, ``app/streamer/snapshot.py``).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from app.protocol.messages import (
     Status,
 )
 from app.protocol.subscription_messages import SYNTHETIC_ROLLBACK_JSON
-from app.sources.base import ChangeSource, ChangeStream
+from app.sources.base import ChangeSource, ChangeStream, SourceMetric
 from app.stop_signals import AbortError, AutoResetSignal
 from app.storage import ChangeDb, ChangeLog, ChangeLogState, Replication
 from app.streamer.acker import UpstreamAcker
@@ -64,6 +64,7 @@ from app.streamer.reservations import (
     SnapshotReservations,
 )
 from app.streamer.rowrun import encode_rows
+from app.streamer.snapshot import ServiceSnapshot, take_snapshot
 from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, DEFAULT_GROUP_MAX_ROWS, Storer
 from app.streamer.subscriber import Change, Mode, Subscriber, new_change, subscriber_log_fields
 from app.streamer.tail import DEFAULT_TAIL_BYTES
@@ -719,6 +720,18 @@ class ChangeStreamerService:
         for listener in self.durable_listeners:
             listener(watermark)
 
+    # ------------------------------------------------------------------
+    # What pages and exporters read.
+
+    def snapshot(self) -> ServiceSnapshot:
+        """The service's state now (``app.streamer.snapshot``), on its event loop."""
+        return take_snapshot(self)
+
+    @property
+    def latest_lag_report(self) -> dict[str, Any] | None:
+        """The newest lag report seen (what a subscriber that joins now starts with)."""
+        return self._latest_lag_report
+
     @property
     def upstream_type(self) -> str:
         """The change source's kind (``postgres``, ``custom``, ``demo``, …)."""
@@ -727,6 +740,10 @@ class ChangeStreamerService:
     async def upstream_stats(self) -> dict[str, Any]:
         """``/statz``'s ``upstream`` group: what the change source says of itself."""
         return await self._source.stats()
+
+    async def upstream_metrics(self) -> list[SourceMetric]:
+        """What the change source adds to ``/metrics`` (``ChangeSource.metrics``)."""
+        return await self._source.metrics()
 
     async def get_change_log_state(self) -> ChangeLogState:
         return await self.replication.change_log_state()

@@ -717,6 +717,30 @@ async def test_the_coverage_gate_needs_a_backup_at_the_start_position(change_db:
     await s.stop()
 
 
+async def test_a_snapshot_is_a_copy_of_the_service_at_one_moment(change_db: ChangeDb) -> None:
+    s = Service(change_db, backup_url="file:///b")
+    stream = await s.stream()
+    stream.push_all(txn("02"))
+    await s.durable("02")
+    ds = s.subscribe("02", id="watcher")
+    await s.live(ds)
+    s.service.backups.track("01")
+    before = s.service.snapshot()
+    stream.push_all(txn("03"))
+    await s.durable("03")
+    s.service.backups.track("03")
+    assert (before.transactions, before.durable_watermark) == (1, "02")
+    assert (before.backup.watermark, before.backup.covered) == ("01", True)
+    assert [(sub.id, sub.state) for sub in before.subscribers] == [("watcher", "active")]
+    assert (before.active_subscribers, before.queued_subscribers) == (1, 0)
+    after = s.service.snapshot()
+    assert (after.transactions, after.durable_watermark, after.backup.watermark) == (2, "03", "03")
+    with pytest.raises(AttributeError):
+        after.transactions = 0  # type: ignore[misc]
+    ds.close()
+    await s.stop()
+
+
 @pytest.mark.parametrize(
     ("body", "tag"),
     [
