@@ -2,7 +2,7 @@
 
 ``BackupMonitor.run`` consumes one poller's stream (``watermarks``). For each
 watermark newer than the last it calls ``track`` (the service's
-``track_backup_watermark``: purge floor, reservation confirmation); older and
+``backups.track``: purge floor, reservation confirmation); older and
 repeated ones are ignored.
 
 **Coverage gate** (wire.md §4.3 [s000]): ``covered`` is set once a backed-up

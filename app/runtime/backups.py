@@ -211,14 +211,14 @@ def start_backups(
         wedged_after_s = float("inf")  # nothing to wedge: the position is local
     monitor = BackupMonitor(
         poller,
-        service.track_backup_watermark,
+        service.backups.track,
         local,
         wedged_after_s=wedged_after_s,
-        on_coverage_target=lambda target: setattr(service, "coverage_target", target),
+        on_coverage_target=lambda target: setattr(service.backups, "coverage_target", target),
         backups=runner is not None,
     )
     backups = Backups(monitor, runner, poller)
-    service.backup_state = backups
+    service.backups.state = backups
 
     async def run_monitor() -> None:
         # Purges check ownership: a watermark tracked before this task owns the

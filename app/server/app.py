@@ -94,12 +94,14 @@ def create_app(
         current = holder.service
         if current is None or not current.running:
             return False, "the change streamer is not running"
-        if current.backup_problem is not None:
-            return False, current.backup_problem
-        if not current.backup_covered:
+        backups = current.backups
+        problem = backups.problem()
+        if problem is not None:
+            return False, problem
+        if not backups.covered():
             return (
                 False,
-                f"waiting for a backup that covers the replica at {current.coverage_target}",
+                f"waiting for a backup that covers the replica at {backups.coverage_target}",
             )
         return True, ""
 

@@ -12,7 +12,9 @@ A snapshot has no values of its own: it is what ``/metrics`` reads
 (``MetricValues``, ``metric_values.py``: totals, the change log's cached size,
 lags, backlogs, the Postgres slots' WAL), ``/statz``'s ``replication`` and
 ``backup`` groups (``service_stats``: subscribers, the purge floor, backups,
-reservations) and ``/ready``'s answer, arranged by what the page shows::
+reservations), the service's snapshot (``app/streamer/snapshot.py``: the
+upstream's type and last commit) and ``/ready``'s answer, arranged by what the
+page shows::
 
     time, running, ready {ok, reason}, errors {group: message}
     stream       transactions, changes, durableWatermark, replicaVersion,
@@ -46,9 +48,10 @@ from app.protocol.canonical_json import dumps
 from app.protocol.lexi import watermark_fraction
 from app.server.admin_auth import AdminAuth, Role
 from app.server.dashboard_feed import MAX_LIFETIME_S, SnapshotFeed
-from app.server.metric_values import MetricValues, StreamerReadings, latest_lag_report
+from app.server.metric_values import MetricValues, StreamerReadings
 from app.server.statz import service_stats
 from app.streamer.service import ChangeStreamerService
+from app.streamer.snapshot import ServiceSnapshot
 from app.timeouts import within
 
 __all__ = ["DASHBOARD_REALM", "dashboard_router", "dashboard_snapshot"]
@@ -100,10 +103,12 @@ async def dashboard_snapshot(
     upstream: dict[str, Any] = {}
     if service is not None and readings is not None:
         change_log |= await _change_log(service, readings, errors)
-        upstream = _upstream(service, readings)
+    snap = service.snapshot() if service is not None else None
+    if snap is not None and readings is not None:
+        upstream = _upstream(snap, readings)
     return {
         "time": round(wall_s * 1000),
-        "running": service is not None and service.running,
+        "running": snap is not None and snap.running,
         "ready": {"ok": is_ready, "reason": reason or None},
         "errors": errors,
         "stream": {
@@ -154,7 +159,7 @@ def _stream(r: StreamerReadings) -> dict[str, Any]:
     }
 
 
-def _upstream(service: ChangeStreamerService, r: StreamerReadings) -> dict[str, Any]:
+def _upstream(snap: ServiceSnapshot, r: StreamerReadings) -> dict[str, Any]:
     by_slot: dict[str, dict[str, Any]] = {}
     for metric in r.source:  # the change source's own metrics: the Postgres slots
         key = _SLOT_METRICS.get(metric.name)
@@ -164,11 +169,11 @@ def _upstream(service: ChangeStreamerService, r: StreamerReadings) -> dict[str, 
             slot = labels.get("slot", "")
             by_slot.setdefault(slot, {"slot": slot})[key] = value
     return {
-        "type": service.upstream_type,
-        "lastCommit": service.storer.durable,
-        "lastCommitAgeSeconds": _rounded(service.last_commit_age_s()),
+        "type": snap.upstream_type,
+        "lastCommit": snap.durable_watermark,
+        "lastCommitAgeSeconds": _rounded(snap.last_commit_age_s),
         "lagSeconds": _rounded(r.lag_s),
-        "lagReport": latest_lag_report(service),
+        "lagReport": snap.lag_report,
         "slots": [by_slot[name] for name in sorted(by_slot)],
     }
 

@@ -18,13 +18,9 @@ from prometheus_client.core import (
     Metric,
 )
 
-from app.server.metric_values import (
-    ConnectionReadings,
-    HistogramReading,
-    Readings,
-    StreamerReadings,
-)
+from app.server.metric_values import ConnectionReadings, Readings, StreamerReadings
 from app.sources.base import SourceMetric
+from app.streamer.histogram import HistogramReading
 
 __all__ = ["families"]
 

@@ -2,10 +2,10 @@
 
 One set of values, read when asked (a scrape, an export, a dashboard tick): the
 streaming path itself only counts, in plain ints and the bucket arrays of
-``app/streamer/histogram.py``. ``MetricValues.read`` is synchronous and must run
-on the service's event loop (the streamer's sets and counters are not meant for
-other threads); the two readings that cost a query, the change log's size and
-the change source's own metrics, are cached and brought up to date by
+``app/streamer/histogram.py``. ``MetricValues.read`` takes the service's snapshot
+(``app/streamer/snapshot.py``), so it is synchronous and must run on the service's
+event loop; the two readings that cost a query, the change log's size and the
+change source's own metrics, are cached and brought up to date by
 ``MetricValues.refresh`` (awaited before a read that wants them fresh).
 """
 
@@ -21,19 +21,18 @@ from typing import Any
 from app.server.http_protocol import PendingLimits
 from app.sources.base import SourceMetric
 from app.storage import ChangeLog
-from app.streamer.histogram import Histogram
+from app.streamer.histogram import HistogramReading
 from app.streamer.service import ChangeStreamerService
+from app.streamer.snapshot import ServiceSnapshot
 from app.timeouts import within
 
 __all__ = [
     "ChangeLogRows",
     "ConnectionReadings",
-    "HistogramReading",
     "MetricValues",
     "Readings",
     "StreamerReadings",
     "lag_seconds",
-    "latest_lag_report",
     "read_connections",
     "source_metrics",
 ]
@@ -43,32 +42,6 @@ log = logging.getLogger(__name__)
 # A read waits at most this long for the change source's metrics (its own reads
 # are bounded and cached; this guards against a source that is not).
 SOURCE_METRICS_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class HistogramReading:
-    """A copy of a ``Histogram``: counts per bucket (the last one above every bound)."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    sum: float
-
-    @classmethod
-    def of(cls, histogram: Histogram) -> HistogramReading:
-        return cls(histogram.bounds, tuple(histogram.counts), histogram.sum)
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        """``(upper bound, observations at or below it)``, ending with ``+inf``."""
-        out: list[tuple[float, int]] = []
-        total = 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            total += n
-            out.append((bound, total))
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,24 +91,11 @@ class Readings:
     connections: ConnectionReadings | None  # None without connection bounds
 
 
-def latest_lag_report(service: ChangeStreamerService) -> dict[str, Any] | None:
-    """The newest lag report the service has seen (what subscribers receive).
-
-    The service keeps it in a private attribute; this is the one place that
-    reads it, until the service exposes it.
-    """
-    report: dict[str, Any] | None = service._latest_lag_report
-    return report
-
-
 async def source_metrics(service: ChangeStreamerService) -> list[SourceMetric]:
-    """What the change source adds (``ChangeSource.metrics``); nothing if that fails.
-
-    Like ``latest_lag_report``, the one place that reads the service's source.
-    """
+    """What the change source adds (``ChangeSource.metrics``); nothing if that fails."""
     try:
         metrics: list[SourceMetric] = await within(
-            service._source.metrics(), SOURCE_METRICS_TIMEOUT_S
+            service.upstream_metrics(), SOURCE_METRICS_TIMEOUT_S
         )
     except Exception as e:
         log.warning("metrics: the change source's metrics failed: %r", e)
@@ -250,43 +210,41 @@ class MetricValues:
         connections = read_connections(self._limits) if self._limits is not None else None
         if service is None:
             return Readings(running=False, streamer=None, connections=connections)
-        return Readings(service.running, self._read_streamer(service), connections)
+        snap = service.snapshot()
+        return Readings(snap.running, self._read_streamer(service, snap), connections)
 
-    def _read_streamer(self, service: ChangeStreamerService) -> StreamerReadings:
-        forwarder = service.forwarder
-        storer = service.storer
-        subscribers = [*forwarder.active, *forwarder.queued]
+    def _read_streamer(
+        self, service: ChangeStreamerService, snap: ServiceSnapshot
+    ) -> StreamerReadings:
+        subscribers = snap.subscribers
         backlogs = [s.buffered_bytes for s in subscribers]
-        write_lag = (
-            service.backup_state.stats().get("lag_seconds") if service.backup_state else None
-        )
+        monitor = snap.backup.monitor
+        write_lag = monitor.get("lag_seconds") if monitor is not None else None
         source = self._source
         rows = self.rows.last(service.change_log)
         return StreamerReadings(
-            active_subscribers=len(forwarder.active),
-            queued_subscribers=len(forwarder.queued),
-            event_loop_lag_s=service.loop_lag.max_s(),
+            active_subscribers=snap.active_subscribers,
+            queued_subscribers=snap.queued_subscribers,
+            event_loop_lag_s=snap.loop_lag.max_60s_s,
             backlog_bytes=sum(backlogs),
             max_backlog_bytes=max(backlogs, default=0),
-            backlog_messages=sum(s.backlog_size for s in subscribers),
-            pending_messages=sum(s.downstream.pending for s in subscribers),
-            storer_queued_bytes=storer.queued_bytes,
-            flow_control_waits={
-                mode: HistogramReading.of(h) for mode, h in forwarder.stats.durations.items()
-            },
-            transactions=service.transactions,
-            changes=service.changes,
-            commit_forward_s=HistogramReading.of(service.commit_forward_seconds),
-            group_commit_rows=HistogramReading.of(storer.group_commit_rows),
-            catchup_s=HistogramReading.of(storer.catchup_seconds),
+            backlog_messages=sum(s.backlog_messages for s in subscribers),
+            pending_messages=sum(s.pending_messages for s in subscribers),
+            storer_queued_bytes=snap.storer_queued_bytes,
+            flow_control_waits=snap.flow_control_waits,
+            transactions=snap.transactions,
+            changes=snap.changes,
+            commit_forward_s=snap.commit_forward_s,
+            group_commit_rows=snap.group_commit_rows,
+            catchup_s=snap.catchup_s,
             change_log_rows=rows,
             change_log_bytes=self.rows.bytes if rows is not None else None,
-            lag_s=lag_seconds(latest_lag_report(service), self._wall_clock()),
-            backup_wedged=service.backup_problem is not None,
-            backup_lag_s=service.backup_lag_seconds(),
+            lag_s=lag_seconds(snap.lag_report, self._wall_clock()),
+            backup_wedged=snap.backup.problem is not None,
+            backup_lag_s=snap.backup.lag_s,
             backup_write_lag_s=write_lag if isinstance(write_lag, float) else None,
-            reservations_open=len(service.reservations.open_tasks),
-            purged_rows=service.purger.deleted,
-            purge_floor_holder=service.purger.floor_holder,
+            reservations_open=len(snap.reservations.open_tasks),
+            purged_rows=snap.purge.rows_deleted,
+            purge_floor_holder=snap.purge.floor_holder,
             source=source[1] if source is not None and source[0] is service else (),
         )

@@ -10,10 +10,11 @@ from the process environment itself. zero-cache defaults the protocol to
 ``http/json``, which the Python exporter does not have: a collector's OTLP/HTTP
 port takes both.
 
-One source of values: each collection reads ``MetricValues`` once, on the
-service's event loop (the exporter runs in a thread of its own), turns it into
-the very families ``/metrics`` serves (``metric_families.families``), and the instruments
-of ``EXPORTED`` observe their samples: counters and gauges through observable
+One source of values: each collection reads ``MetricValues`` (made of the
+service's snapshot, ``app/streamer/snapshot.py``) once, on the service's event
+loop (the exporter runs in a thread of its own), turns it into the very families
+``/metrics`` serves (``metric_families.families``), and the instruments of
+``EXPORTED`` observe their samples: counters and gauges through observable
 instruments. OpenTelemetry has no asynchronous histogram, so the histograms
 (bucket arrays counted by the streamer) are added to each export as
 pre-aggregated cumulative histogram points, in the reader's documented

@@ -20,7 +20,6 @@ from app import speedups
 from app.logs import redact
 from app.protocol.canonical_json import dumps
 from app.replica.schema import read_replica_state
-from app.server.metric_values import latest_lag_report
 from app.streamer.service import ChangeStreamerService
 from app.timeouts import within
 
@@ -134,30 +133,30 @@ def replica_file_stats(path: str) -> dict[str, Any]:
 
 async def _backup_stats(service: ChangeStreamerService | None) -> dict[str, Any]:
     """Backups, purge and reservations: what holds the change log's floor, and why."""
-    s = _running(service)
-    purger = s.purger
+    snap = _running(service).snapshot()
+    backup, purge, reservations = snap.backup, snap.purge, snap.reservations
     return {
         # Shown to operators and on the dashboard: never its credentials.
-        "backupURL": redact(s.options.backup_url) if s.options.backup_url else None,
-        "backupWatermark": s.backup_watermark,
-        "coverageTarget": s.coverage_target,
-        "covered": s.backup_covered,
-        "problem": s.backup_problem,
-        "lagSeconds": s.backup_lag_seconds(),
-        "monitor": s.backup_state.stats() if s.backup_state is not None else None,
+        "backupURL": redact(backup.url) if backup.url else None,
+        "backupWatermark": backup.watermark,
+        "coverageTarget": backup.coverage_target,
+        "covered": backup.covered,
+        "problem": backup.problem,
+        "lagSeconds": backup.lag_s,
+        "monitor": backup.monitor,
         "purge": {
-            "floor": purger.floor,
-            "heldBy": purger.floor_holder,
-            "purgedBelow": purger.purged_watermark or None,
-            "passes": purger.passes,
-            "rowsDeleted": purger.deleted,
+            "floor": purge.floor,
+            "heldBy": purge.floor_holder,
+            "purgedBelow": purge.purged_below,
+            "passes": purge.passes,
+            "rowsDeleted": purge.rows_deleted,
         },
         "reservations": {
-            "open": s.reservations.open_tasks,
-            "longestSeconds": round(s.reservations.longest_completed_s, 3),
+            "open": list(reservations.open_tasks),
+            "longestSeconds": round(reservations.longest_completed_s, 3),
             "held": [
                 {"taskID": r.task_id, "openSeconds": round(r.open_s, 3), "watermark": r.watermark}
-                for r in s.reservations.open_reservations()
+                for r in reservations.held
             ],
         },
     }
@@ -167,61 +166,58 @@ async def _replication_stats(service: ChangeStreamerService | None) -> dict[str,
     s = _running(service)
     config = await s.replication.config()
     state = await s.replication.state()
-    forwarder = s.forwarder
-    subscribers = [
-        *(("active", sub) for sub in forwarder.active),
-        *(("queued", sub) for sub in forwarder.queued),
-    ]
+    snap = s.snapshot()
+    waits = snap.flow_control_waits
     return {
-        "replicaVersion": config.replica_version if config else s.replica_version,
+        "replicaVersion": config.replica_version if config else snap.replica_version,
         "publications": list(config.publications) if config else None,
         "resetRequired": config.reset_required if config else None,
         "lastWatermark": state.last_watermark if state else None,
         "owner": state.owner if state else None,
         "ownerAddress": state.owner_address if state else None,
-        "taskID": s.task_id,
-        "running": s.running,
-        "durableWatermark": s.storer.durable,
-        "transactions": s.transactions,
-        "changes": s.changes,
-        "storerQueuedBytes": s.storer.queued_bytes,
+        "taskID": snap.task_id,
+        "running": snap.running,
+        "durableWatermark": snap.durable_watermark,
+        "transactions": snap.transactions,
+        "changes": snap.changes,
+        "storerQueuedBytes": snap.storer_queued_bytes,
         # How late the event loop ran what was due: now, and the worst of the last
         # 10 s and 60 s.
         "eventLoopLagMs": {
-            "latest": round(s.loop_lag.latest_s * 1000, 1),
-            "max10s": round(s.loop_lag.max_s(10.0) * 1000, 1),
-            "max60s": round(s.loop_lag.max_s() * 1000, 1),
+            "latest": round(snap.loop_lag.latest_s * 1000, 1),
+            "max10s": round(snap.loop_lag.max_10s_s * 1000, 1),
+            "max60s": round(snap.loop_lag.max_60s_s * 1000, 1),
         },
-        "subscribers": {"active": len(forwarder.active), "queued": len(forwarder.queued)},
+        "subscribers": {"active": snap.active_subscribers, "queued": snap.queued_subscribers},
         "subscriberDetails": [
             {
                 "id": sub.id,
                 "taskID": sub.task_id,
                 "mode": sub.mode,
-                "state": state_name,
+                "state": sub.state,
                 "protocolVersion": sub.protocol_version,
                 "watermark": sub.watermark,
                 "acked": sub.acked,
-                "catchingUp": sub.backlogged,
+                "catchingUp": sub.catching_up,
                 # The range the catch-up reads (``to`` is None until the read starts).
                 "catchUp": {"from": sub.catchup_from, "to": sub.catchup_to},
-                "backlogMessages": sub.backlog_size,
+                "backlogMessages": sub.backlog_messages,
                 "bufferedBytes": sub.buffered_bytes,
-                "pendingMessages": sub.downstream.pending,
+                "pendingMessages": sub.pending_messages,
                 # Transactions sent and not acked, and how long the oldest durable
                 # commit it has not acked has been durable.
                 "lagTransactions": sub.unacked_commits,
-                "lagMs": round(s.durable_wait_s(sub.acked) * 1000),
+                "lagMs": round(sub.ack_lag_s * 1000),
                 "missedReleases": sub.missed_releases,
-                "lagging": sub.lagging_since is not None,
+                "lagging": sub.lagging,
             }
-            for state_name, sub in subscribers
+            for sub in snap.subscribers
         ],
         "flowControl": {
-            "waits": dict(forwarder.stats.waits),
-            "waitSeconds": forwarder.stats.wait_seconds,
+            "waits": {mode: reading.count for mode, reading in waits.items()},
+            "waitSeconds": sum(reading.sum for reading in waits.values()),
         },
-        "lagReport": latest_lag_report(s),
+        "lagReport": snap.lag_report,
     }
 
 

@@ -3,14 +3,15 @@
 The streamer's stages count their events here where they already happen (a
 commit forwarded, a group commit, a catch-up done, a checkpoint released): one
 bisect and two additions, no metrics library and no lock, since only the event
-loop's thread writes and reads them (``app/server/metric_values.py`` reads them
-on scrape, the OTLP exporter through the loop).
+loop's thread writes and reads them; pages and exporters read a
+``HistogramReading`` copy (in the service's snapshot, ``app/streamer/snapshot.py``).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 # zero-cache's latency buckets (observability/metrics.ts, in seconds): 1 ms to 5 s
 # in ~2x steps, 10 s and 30 s for broken states. Same bounds, same quantiles.
@@ -73,3 +74,29 @@ class Histogram:
     @property
     def count(self) -> int:
         return sum(self.counts)
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramReading:
+    """A copy of a ``Histogram``: counts per bucket (the last one above every bound)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+
+    @classmethod
+    def of(cls, histogram: Histogram) -> HistogramReading:
+        return cls(histogram.bounds, tuple(histogram.counts), histogram.sum)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``(upper bound, observations at or below it)``, ending with ``+inf``."""
+        out: list[tuple[float, int]] = []
+        total = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out

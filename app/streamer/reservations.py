@@ -263,6 +263,14 @@ class SnapshotReservations:
         """Tasks holding an open reservation (purging waits while there are any)."""
         return list(self._by_task)
 
+    def purge_pause_reason(self) -> str | None:
+        """Why purging must wait (the ``Purger``'s ``paused``): a view-syncer restoring
+        a backup must still find the changes after it; None when nothing is open."""
+        tasks = self.open_tasks
+        if tasks:
+            return f"snapshot reservation open for {', '.join(sorted(tasks))}"
+        return None
+
     def is_open(self, task_id: str) -> bool:
         """Whether ``task_id`` holds an open reservation (for /statz and tests)."""
         return task_id in self._by_task

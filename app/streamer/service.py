@@ -23,15 +23,12 @@ up in the same synchronous step; that pairing is the gap-free handoff.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
-import os
 import sys
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
@@ -49,16 +46,17 @@ from app.protocol.messages import (
     Status,
 )
 from app.protocol.subscription_messages import SYNTHETIC_ROLLBACK_JSON
-from app.sources.base import ChangeSource, ChangeStream
+from app.sources.base import ChangeSource, ChangeStream, SourceMetric
 from app.stop_signals import AbortError, AutoResetSignal
 from app.storage import ChangeDb, ChangeLog, ChangeLogState, Replication
 from app.streamer.acker import UpstreamAcker
+from app.streamer.backup_watch import BackupWatch
 from app.streamer.downstream import DEFAULT_MAX_UNCONSUMED_BYTES, Downstream
 from app.streamer.forwarder import Forwarder
 from app.streamer.histogram import LATENCY_BOUNDS_S, Histogram
 from app.streamer.loop_lag import LoopLag
 from app.streamer.pump import Pump
-from app.streamer.purge import CLEANUP_DELAY_S, CommitClock, Purger
+from app.streamer.purge import CLEANUP_DELAY_S, Purger
 from app.streamer.reservations import (
     DEFAULT_MAX_OPEN_S,
     DEFAULT_MAX_RESERVATIONS,
@@ -66,6 +64,7 @@ from app.streamer.reservations import (
     SnapshotReservations,
 )
 from app.streamer.rowrun import encode_rows
+from app.streamer.snapshot import ServiceSnapshot, take_snapshot
 from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES, DEFAULT_GROUP_MAX_ROWS, Storer
 from app.streamer.subscriber import Change, Mode, Subscriber, new_change, subscriber_log_fields
 from app.streamer.tail import DEFAULT_TAIL_BYTES
@@ -78,8 +77,6 @@ log = logging.getLogger(__name__)
 # Node's default stream high-water mark, which the reference uses as its
 # flow-control checkpoint interval.
 FLUSH_THRESHOLD = 64 * 1024
-# Durable commits remembered for the backup lag (older ones count as the oldest).
-DURABLE_HISTORY = 10_000
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -161,17 +158,6 @@ class StreamerOptions:
     catchup_tail_bytes: int = DEFAULT_TAIL_BYTES
 
 
-class BackupState(Protocol):
-    """What the service shows of its backups (``app.backup.monitor.BackupMonitor``)."""
-
-    @property
-    def problem(self) -> str | None: ...
-
-    def stats(self) -> dict[str, object]: ...
-
-    async def stop(self) -> None: ...
-
-
 class ChangeStreamerService:
     def __init__(
         self,
@@ -199,6 +185,14 @@ class ChangeStreamerService:
         self.change_log = ChangeLog(db)
         self.replication = Replication(db)
         self.acker = UpstreamAcker()
+        # The backed-up watermark, the coverage gate, the lags (app.streamer.backup_watch).
+        self.backups = BackupWatch(
+            backup_url=self.options.backup_url,
+            replica_file=self.options.replica_file,
+            coverage_target=durable_watermark,
+            clock=self._timers.monotonic,
+            retention_s=self.options.change_log_retention_s,
+        )
         self.loop_lag = LoopLag()  # how late the event loop runs (statz, metrics)
         # /subscribe (not yet subscribed) and /snapshot sockets, under the limit too.
         self._open_sockets = 0
@@ -222,16 +216,11 @@ class ChangeStreamerService:
             hold_catchups_until_owned=taking_over,
             tail_bytes=self.options.catchup_tail_bytes,
         )
-        self._commit_clock = (
-            CommitClock(self.options.change_log_retention_s, self._timers.monotonic)
-            if self.options.change_log_retention_s > 0
-            else None
-        )
         self.reservations = SnapshotReservations(
             self.replication.change_log_state,
             self.options.backup_url,
             self._timers,
-            replica_size=self._replica_size,
+            replica_size=self.backups.replica_size,
             max_open_s=self.options.reservation_max_s,
             max_open=self.options.max_reservations,
         )
@@ -245,13 +234,18 @@ class ChangeStreamerService:
             # paused while any reservation is open: a view-syncer restoring an older
             # backup must still find the changes after it.
             delay_s=lambda: max(self.options.purge_delay_s, self.reservations.longest_completed_s),
-            paused=self._purge_pause_reason,
+            paused=self.reservations.purge_pause_reason,
             named_acks=self.forwarder.named_acks,
-            retention=self._commit_clock,
+            retention=self.backups.commit_clock,
             # Without backups the tracked watermark is the local replica's position.
             backup_name="backup" if self.options.backup_url else "replica",
             on_fatal=self._on_fatal,
         )
+        self.backups.listeners += [
+            self.acker.track_backup,
+            self.purger.track_backup_watermark,
+            self.reservations.track_backup_watermark,
+        ]
         self._backoff = Backoff(self.options.backoff_initial_s, self.options.backoff_max_s)
         self._stopped = asyncio.Event()
         self._stop_error: BaseException | None = None
@@ -259,13 +253,6 @@ class ChangeStreamerService:
         self._tx: str | None = None  # commit watermark of the open transaction
         self._latest_lag_report: dict[str, Any] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
-        # Backups: the newest backed-up watermark, when each commit became durable
-        # (bounded; for the backup lag), and the watermark the first backup must
-        # reach before this task is ready to serve (the coverage gate).
-        self.backup_watermark: str | None = None
-        self.coverage_target = durable_watermark
-        self.backup_state: BackupState | None = None
-        self._durable_at: deque[tuple[str, float]] = deque(maxlen=DURABLE_HISTORY)
         # Called with each durable commit watermark (the replica follower's wake-up).
         self.durable_listeners: list[Callable[[str], None]] = []
         self.serving_started = asyncio.Event()
@@ -350,9 +337,7 @@ class ChangeStreamerService:
             await self._stream.close()
         with contextlib.suppress(Exception):
             await self._source.stop()
-        if self.backup_state is not None:
-            # Its children (litestream, the VFS probe) must not outlive the service.
-            await self.backup_state.stop()
+        await self.backups.stop()
 
     @property
     def stopped(self) -> asyncio.Event:
@@ -653,7 +638,7 @@ class ChangeStreamerService:
             raise AutoResetSignal(message)
 
     # ------------------------------------------------------------------
-    # Subscribers, backups, reservations.
+    # Subscribers and reservations.
 
     def subscribe(self, ctx: SubscriberContext) -> Downstream:
         """Starts a subscription; errors arrive in-band on the returned channel.
@@ -730,54 +715,22 @@ class ChangeStreamerService:
 
     def _on_durable(self, watermark: str) -> None:
         self._backoff.reset()  # progress
-        self._durable_at.append((watermark, self._timers.monotonic()))
-        if self._commit_clock is not None:
-            self._commit_clock.record(watermark)
+        self.backups.on_durable(watermark)
         self.acker.track_change_log(watermark)
         for listener in self.durable_listeners:
             listener(watermark)
 
+    # ------------------------------------------------------------------
+    # What pages and exporters read.
+
+    def snapshot(self) -> ServiceSnapshot:
+        """The service's state now (``app.streamer.snapshot``), on its event loop."""
+        return take_snapshot(self)
+
     @property
-    def backup_covered(self) -> bool:
-        """No backups configured, or one has reached the replica's start position."""
-        if self.options.backup_url is None:
-            return True
-        return self.backup_watermark is not None and self.backup_watermark >= self.coverage_target
-
-    def backup_lag_seconds(self) -> float | None:
-        """How long the oldest commit not yet in a backup has been durable; None if unknown."""
-        if self.backup_watermark is None:
-            return None
-        return self.durable_wait_s(self.backup_watermark)
-
-    def durable_wait_s(self, watermark: str) -> float:
-        """How long the oldest durable commit after ``watermark`` (a backup's, a
-        subscriber's ack) has been durable: 0 if none is after it, and at least that
-        of the oldest commit remembered when ``watermark`` is older."""
-        history = self._durable_at
-        after = bisect.bisect_right(history, watermark, key=_watermark_of)
-        if after == len(history):
-            return 0.0
-        return max(0.0, self._timers.monotonic() - history[after][1])
-
-    def last_commit_age_s(self) -> float | None:
-        """Seconds since the newest commit became durable (None before the first)."""
-        if not self._durable_at:
-            return None
-        return max(0.0, self._timers.monotonic() - self._durable_at[-1][1])
-
-    def track_backup_watermark(self, watermark: str) -> None:
-        if self.backup_watermark is None or watermark > self.backup_watermark:
-            self.backup_watermark = watermark
-        self.acker.track_backup(watermark)
-        self.purger.track_backup_watermark(watermark)
-        self.reservations.track_backup_watermark(watermark)
-
-    def _purge_pause_reason(self) -> str | None:
-        tasks = self.reservations.open_tasks
-        if tasks:
-            return f"snapshot reservation open for {', '.join(sorted(tasks))}"
-        return None
+    def latest_lag_report(self) -> dict[str, Any] | None:
+        """The newest lag report seen (what a subscriber that joins now starts with)."""
+        return self._latest_lag_report
 
     @property
     def upstream_type(self) -> str:
@@ -788,25 +741,12 @@ class ChangeStreamerService:
         """``/statz``'s ``upstream`` group: what the change source says of itself."""
         return await self._source.stats()
 
-    def _replica_size(self) -> int | None:
-        if self.options.replica_file is None:
-            return None
-        try:
-            return os.stat(self.options.replica_file).st_size
-        except OSError:
-            return None
-
-    @property
-    def backup_problem(self) -> str | None:
-        """Why the backup is not healthy (wedged), or None."""
-        return self.backup_state.problem if self.backup_state is not None else None
+    async def upstream_metrics(self) -> list[SourceMetric]:
+        """What the change source adds to ``/metrics`` (``ChangeSource.metrics``)."""
+        return await self._source.metrics()
 
     async def get_change_log_state(self) -> ChangeLogState:
         return await self.replication.change_log_state()
-
-
-def _watermark_of(entry: tuple[str, float]) -> str:
-    return entry[0]
 
 
 class _CleanStop(Exception):

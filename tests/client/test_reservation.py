@@ -28,7 +28,7 @@ async def reserve(
     if server.service.storer.durable < backed_up:
         stream.push_all(txn(backed_up))
         await asyncio.wait_for(server.service.storer.wait_durable(backed_up), TIMEOUT)
-    server.service.track_backup_watermark(backed_up)
+    server.service.backups.track(backed_up)
     return await asyncio.wait_for(reserving, TIMEOUT)
 
 

@@ -70,7 +70,7 @@ async def reserve(server: Server, task_id: str = "t1") -> tuple[SnapshotStatus, 
     stream = await asyncio.wait_for(server.source.wait_for_stream(), TIMEOUT)
     stream.push_all(txn("02"))
     await asyncio.wait_for(server.service.storer.wait_durable("02"), TIMEOUT)
-    server.service.track_backup_watermark("02")
+    server.service.backups.track("02")
     return await asyncio.wait_for(reserving, TIMEOUT)
 
 

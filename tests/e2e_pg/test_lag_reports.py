@@ -16,7 +16,7 @@ from prometheus_client.core import Metric
 
 from app.protocol.canonical_json import loads
 from app.server.metric_families import families as metric_families
-from app.server.metric_values import MetricValues, latest_lag_report
+from app.server.metric_values import MetricValues
 
 from .conftest import WAIT_S, StartUpstream, Upstream
 
@@ -81,7 +81,7 @@ async def test_reports_reach_subscribers_in_band_and_keep_coming_under_load(
         assert set(report["lastTimings"]) == {"sendTimeMs", "commitTimeMs", "receiveTimeMs"}
 
     service = env.runtime.service
-    latest = latest_lag_report(service)  # what a subscriber that joins now starts with
+    latest = service.latest_lag_report  # what a subscriber that joins now starts with
     assert latest is not None
     assert latest["lastTimings"]["sendTimeMs"] >= sends[-1]
 
@@ -122,7 +122,7 @@ async def test_the_lag_gauge_moves_on_a_real_clock_between_reports(
     # The stream passes the first report (whether its message came or not).
     await env.execute("INSERT INTO items (v) VALUES ('a')")
     deadline = time.monotonic() + WAIT_S
-    while "lastTimings" not in (latest_lag_report(service) or {}):
+    while "lastTimings" not in (service.latest_lag_report or {}):
         assert time.monotonic() < deadline, "no lag report"
         await asyncio.sleep(0.01)
     # now − the report's upstream commit: it grows by exactly the time that passed.
@@ -154,7 +154,7 @@ async def test_no_reports_at_an_interval_of_zero(upstream: StartUpstream) -> Non
             break
     assert not [s for s in statuses if "lagReport" in s]
     service = env.runtime.service
-    assert latest_lag_report(service) is None
+    assert service.latest_lag_report is None
     metrics = await families(env, time.time())
     assert "changestreamer_lag_seconds" not in metrics
     assert "changestreamer_lag_report_retries" not in metrics

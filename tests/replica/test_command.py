@@ -116,7 +116,7 @@ async def backup(tmp_path: Path, unused_tcp_port: int) -> str:
 async def backed_up_server(tmp_path: Path, backup_url: str) -> AsyncIterator[Server]:
     """Our server, naming ``backup_url`` and holding it as backed up at REPLICA_VERSION."""
     async for server in start_server(tmp_path / "server", backup_url=backup_url):
-        server.service.track_backup_watermark(REPLICA_VERSION)
+        server.service.backups.track(REPLICA_VERSION)
         yield server
 
 

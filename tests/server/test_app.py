@@ -60,7 +60,7 @@ async def test_with_backups_ready_waits_for_a_covering_backup(tmp_path: Path) ->
             "ready": False,
             "reason": "waiting for a backup that covers the replica at 01",
         }
-        service.track_backup_watermark(REPLICA_VERSION)
+        service.backups.track(REPLICA_VERSION)
         assert (await http_get(url + "/ready")).status == 200
 
 

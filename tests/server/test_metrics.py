@@ -196,7 +196,7 @@ async def test_backup_lag_appears_once_a_backup_watermark_is_known(running: Runn
     stream.push_all(txn("02", 1))
     await asyncio.wait_for(running.service.storer.wait_durable("02"), 10)
     assert "changestreamer_backup_lag_seconds" not in await scrape(running.url)
-    running.service.track_backup_watermark("02")
+    running.service.backups.track("02")
     families = await scrape(running.url)
     assert families["changestreamer_backup_lag_seconds"].type == "gauge"
     assert value(families, "changestreamer_backup_lag_seconds") == 0.0

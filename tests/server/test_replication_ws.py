@@ -245,7 +245,7 @@ async def test_a_snapshot_reservation_streams_its_status_and_ends_on_subscribe(
             stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
             stream.push_all(txn("02"))
             await asyncio.wait_for(server.service.storer.wait_durable("02"), 10)
-            server.service.track_backup_watermark("02")
+            server.service.backups.track("02")
             first = await recv(snap)
             assert first == {
                 "id": 1,

@@ -84,7 +84,7 @@ async def test_reserve_restore_then_subscribe_on_one_socket(backed_up: Server) -
         )  # a reservation starts it
         stream.push_all(txn("02"))
         await asyncio.wait_for(server.service.storer.wait_durable("02"), 10)
-        server.service.track_backup_watermark("02")
+        server.service.backups.track("02")
         reserved = await client.frame()
         assert reserved["msg"] == [
             "reserved",

@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from app.server.metric_values import HistogramReading
 from app.streamer.histogram import (
     CATCHUP_BOUNDS_S,
     GROUP_ROWS_BOUNDS,
     LATENCY_BOUNDS_S,
     Histogram,
+    HistogramReading,
 )
 
 

@@ -458,7 +458,7 @@ async def test_a_backup_subscriber_behind_the_log_is_too_old_and_the_service_ser
     stream.push_all([*txn("02"), *txn("03")])
     await svc.durable("03")
     # The service's own purge (short retention: the backup reached 03).
-    svc.service.track_backup_watermark("03")
+    svc.service.backups.track("03")
     svc.timers.advance(30)
     await svc.service.purger.idle()
     assert {w for w, _ in await svc.stored()} == {"03"}
@@ -530,7 +530,7 @@ async def test_cleanup_purges_to_the_slowest_subscriber_after_30_s(svc: Service)
     assert loads(whole(await asyncio.wait_for(slow.get(), 10)))[0] == "status"
     slow.ack_next()  # (a subscriber that acks nothing at all is dropped after 10 s)
     await asyncio.sleep(0.05)
-    svc.service.track_backup_watermark("04")
+    svc.service.backups.track("04")
     assert svc.timers.pending().count(30.0) == 1  # (the 1 s progress tick is armed too)
     svc.timers.advance(30)
     await svc.service.purger.idle()
@@ -556,7 +556,7 @@ async def test_cleanup_without_subscribers_reaches_the_backup_and_is_not_rearmed
     stream = await svc.stream()
     stream.push_all([*txn("02"), *txn("03")])
     await svc.durable("03")
-    svc.service.track_backup_watermark("03")
+    svc.service.backups.track("03")
     svc.timers.advance(30)
     await svc.service.purger.idle()
     assert {w for w, _ in await svc.stored()} == {"03"}
@@ -576,7 +576,7 @@ async def test_a_reservation_is_confirmed_at_the_backup_and_closed_by_the_subscr
     stream.push_all([*txn("02"), *txn("03")])
     await s.durable("03")
     reservation = s.service.start_snapshot_reservation("task-1")
-    s.service.track_backup_watermark("03")
+    s.service.backups.track("03")
     status = await asyncio.wait_for(anext(aiter(reservation)), 10)
     assert loads(status) == [
         "status",
@@ -699,34 +699,52 @@ async def test_a_dropped_change_log_schema_stops_the_service_cleanly(pg_url: str
 
 async def test_backup_lag_is_the_age_of_the_oldest_commit_no_backup_covers(svc: Service) -> None:
     stream = await svc.stream()
-    assert svc.service.backup_lag_seconds() is None  # no backup watermark yet
+    assert svc.service.backups.lag_s() is None  # no backup watermark yet
     stream.push_all(txn("02"))
     await svc.durable("02")
     svc.timers.advance(5)
     stream.push_all(txn("03"))
     await svc.durable("03")
-    svc.service.track_backup_watermark("01")
+    svc.service.backups.track("01")
     svc.timers.advance(2)
-    assert svc.service.backup_lag_seconds() == pytest.approx(7.0)  # 02 waits since t=0
-    svc.service.track_backup_watermark("02")
-    assert svc.service.backup_lag_seconds() == pytest.approx(2.0)  # 03 waits since t=5
-    svc.service.track_backup_watermark("03")
-    assert svc.service.backup_lag_seconds() == 0.0
-
-
-def backup_covered(s: Service) -> bool:
-    """``s.service.backup_covered``, read afresh: mypy keeps an attribute narrowed
-    by an ``assert`` across the calls that change it."""
-    return s.service.backup_covered
+    assert svc.service.backups.lag_s() == pytest.approx(7.0)  # 02 waits since t=0
+    svc.service.backups.track("02")
+    assert svc.service.backups.lag_s() == pytest.approx(2.0)  # 03 waits since t=5
+    svc.service.backups.track("03")
+    assert svc.service.backups.lag_s() == 0.0
 
 
 async def test_the_coverage_gate_needs_a_backup_at_the_start_position(change_db: ChangeDb) -> None:
     s = Service(change_db, backup_url="file:///b")
-    assert not backup_covered(s)
-    s.service.track_backup_watermark("00")
-    assert not backup_covered(s)  # behind the replica at start (01)
-    s.service.track_backup_watermark("01")
-    assert s.service.backup_covered
+    assert not s.service.backups.covered()
+    s.service.backups.track("00")
+    assert not s.service.backups.covered()  # behind the replica at start (01)
+    s.service.backups.track("01")
+    assert s.service.backups.covered()
+    await s.stop()
+
+
+async def test_a_snapshot_is_a_copy_of_the_service_at_one_moment(change_db: ChangeDb) -> None:
+    s = Service(change_db, backup_url="file:///b")
+    stream = await s.stream()
+    stream.push_all(txn("02"))
+    await s.durable("02")
+    ds = s.subscribe("02", id="watcher")
+    await s.live(ds)
+    s.service.backups.track("01")
+    before = s.service.snapshot()
+    stream.push_all(txn("03"))
+    await s.durable("03")
+    s.service.backups.track("03")
+    assert (before.transactions, before.durable_watermark) == (1, "02")
+    assert (before.backup.watermark, before.backup.covered) == ("01", True)
+    assert [(sub.id, sub.state) for sub in before.subscribers] == [("watcher", "active")]
+    assert (before.active_subscribers, before.queued_subscribers) == (1, 0)
+    after = s.service.snapshot()
+    assert (after.transactions, after.durable_watermark, after.backup.watermark) == (2, "03", "03")
+    with pytest.raises(AttributeError):
+        after.transactions = 0  # type: ignore[misc]
+    ds.close()
     await s.stop()
 
 
