@@ -18,6 +18,7 @@ import contextlib
 from collections import deque
 from typing import Any
 
+from app.flow_gate import HighLowGate
 from app.protocol.messages import ChangeSourceMessage
 from app.sources.base import ChangeStream
 
@@ -30,7 +31,8 @@ class Pump:
         self._limit = limit
         self.buffer: deque[ChangeSourceMessage] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._space = asyncio.Event()
+        # Closed at the limit, open again once the main loop took the buffer.
+        self._space = HighLowGate(limit, 0)
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._run(), name="upstream-pump")
 
@@ -41,9 +43,9 @@ class Pump:
                 del message  # not held here while the next one is awaited
                 if self._waiter is not None:
                     self._wake()
-                while len(self.buffer) >= self._limit:
-                    self._space.clear()
-                    await self._space.wait()
+                if len(self.buffer) >= self._limit:  # inline: this runs per message
+                    self._space.rise(len(self.buffer))
+                    await self._space.opened()
             if not self.ended.done():
                 self.ended.set_result(None)
         except asyncio.CancelledError:
@@ -83,7 +85,7 @@ class Pump:
             return []
         batch = list(self.buffer)
         self.buffer.clear()
-        self._space.set()
+        self._space.fall(0)
         return batch
 
     async def close(self) -> None:

@@ -33,6 +33,7 @@ from functools import partial
 from typing import Any, Literal, NamedTuple
 
 from app import speedups
+from app.flow_gate import HighLowGate
 from app.logs import log_extra
 from app.protocol.errors import ErrorType, error_message_json
 from app.protocol.pieces import Text
@@ -149,7 +150,8 @@ class Subscriber:
         self._latest_lag_report = latest_lag_report
         self._unsupported = frozenset(t for t, v in _MIN_VERSION.items() if protocol_version < v)
         self._high_water = high_water
-        self._low_water = int(high_water * BACKLOG_LOW_WATER_FRACTION)
+        # Closed while the backlog is at high water, until it is back at low water.
+        self._gate = HighLowGate(high_water, int(high_water * BACKLOG_LOW_WATER_FRACTION))
         self._max_backlog_bytes = high_water * BACKLOG_MAX_FACTOR
         self._max_backlog_changes = max_backlog_changes
         self._backlog: deque[Change] | None = deque()
@@ -161,7 +163,6 @@ class Subscriber:
         # Starts another catch-up round to the stream's position (the storer sets it).
         self.catch_up_again: Callable[[Subscriber], None] | None = None
         self._drain_bytes = 0  # drained from the backlog, not yet consumed
-        self._gate: asyncio.Future[Any] | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._room = asyncio.Event()  # set when drained-but-unconsumed bytes fall below high water
         self._initialized = False
@@ -238,11 +239,7 @@ class Subscriber:
         ):
             self._drop_backlog()
             return None
-        if self.buffered_bytes < self._high_water:
-            return None
-        if self._gate is None:
-            self._gate = asyncio.get_running_loop().create_future()
-        return self._gate
+        return self._gate.wait() if self._gate.rise(self.buffered_bytes) else None
 
     def send_status(self) -> None:
         """Forwards the latest lag report; ignored before the initial status was sent."""
@@ -321,10 +318,10 @@ class Subscriber:
         self._maybe_open_gate()
 
     def _maybe_open_gate(self, *, force: bool = False) -> None:
-        if self._gate is not None and (force or self.buffered_bytes <= self._low_water):
-            gate, self._gate = self._gate, None
-            if not gate.done():
-                gate.set_result(None)
+        if force:
+            self._gate.open()
+        else:
+            self._gate.fall(self.buffered_bytes)
 
     # -- emitting -----------------------------------------------------------
 

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Self, TypeAlias, cast, overload
 
+from app.flow_gate import HighLowGate
 from app.sources.base import ChangeSourceError
 from app.sources.postgres import pgwire
 from app.sources.postgres.conninfo import (
@@ -247,7 +248,7 @@ class _ReadGate:
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self._full = False
+        self._full = HighLowGate(_HIGH_WATER_BYTES, _LOW_WATER_BYTES)
         self._turn_over = False
         self._turn_bytes = 0
         self._paused = False
@@ -257,12 +258,11 @@ class _ReadGate:
         if self._turn_bytes >= _READ_BYTES_PER_TURN and not self._turn_over:
             self._turn_over = True
             asyncio.get_running_loop().call_soon(self._next_turn)
-        self._full = self._full or queued_bytes > _HIGH_WATER_BYTES
+        self._full.rise(queued_bytes)
         self._apply()
 
     def on_taken(self, queued_bytes: int) -> None:
-        if self._full and queued_bytes <= _LOW_WATER_BYTES:
-            self._full = False
+        if self._full.fall(queued_bytes):
             self._apply()
 
     def _next_turn(self) -> None:
@@ -271,7 +271,7 @@ class _ReadGate:
         self._apply()
 
     def _apply(self) -> None:
-        paused = self._full or self._turn_over
+        paused = self._full.closed or self._turn_over
         transport = self.transport
         if paused == self._paused or transport is None or transport.is_closing():
             return
