@@ -324,3 +324,22 @@ def test_the_range_pyproject_pins_starts_where_the_attributes_exist() -> None:
     (pin,) = [d for d in pyproject["project"]["dependencies"] if d.startswith("uvicorn")]
     minimum = ".".join(map(str, ws_protocol.UVICORN_MINIMUM))
     assert pin == f"uvicorn[standard]>={minimum},<0.55"
+
+
+@pytest.mark.parametrize("version", ["16.0", "18.0", "18.0rc1", "9.1", "unknown"])
+def test_a_websockets_other_than_the_one_whose_internals_are_read_fails_at_import(
+    version: str,
+) -> None:
+    with pytest.raises(
+        ImportError, match=rf"websockets {re.escape(version)} is not supported .* 17\.x"
+    ):
+        ws_protocol.check_websockets(version)
+
+
+def test_the_websockets_pyproject_pins_is_the_major_version_whose_internals_are_read() -> None:
+    for version in ("17.0", "17.4", "17.10.1"):
+        ws_protocol.check_websockets(version)
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    (pin,) = [d for d in pyproject["project"]["dependencies"] if d.startswith("websockets")]
+    major = ws_protocol.WEBSOCKETS_MAJOR
+    assert pin == f"websockets>={major},<{major + 1}"
