@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from starlette.types import Message
+from starlette.websockets import WebSocket
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 from websockets.utils import apply_mask
@@ -28,6 +30,8 @@ from app.protocol.wsframes import client_texts as _text_frames
 from app.protocol.wsframes import encode_text_frames as _text_frames_bytes
 from app.protocol.wsframes import frame_header as _frame_header
 from app.server import ws_protocol
+from app.server.transport import stream_downstream
+from app.streamer.downstream import Downstream
 from tests.c_helpers import built, needs
 
 _wsfast = built("app.protocol._wsfast")
@@ -343,3 +347,21 @@ def test_the_websockets_pyproject_pins_is_the_major_version_whose_internals_are_
     (pin,) = [d for d in pyproject["project"]["dependencies"] if d.startswith("websockets")]
     major = ws_protocol.WEBSOCKETS_MAJOR
     assert pin == f"websockets>={major},<{major + 1}"
+
+
+async def _no_receive() -> Message:
+    raise AssertionError("nothing is received")
+
+
+async def _no_send(message: Message) -> None:
+    raise AssertionError(f"nothing is sent: {message}")
+
+
+async def test_a_stream_under_a_server_without_the_direct_socket_fails_saying_so() -> None:
+    # Starlette's TestClient, or uvicorn's own websocket protocols: no DIRECT extension.
+    scope = {"type": "websocket", "path": "/", "headers": [], "extensions": {}}
+    websocket = WebSocket(scope, _no_receive, _no_send)
+    downstream = Downstream()
+    with pytest.raises(RuntimeError, match=r"need uvicorn with .*LivenessProtocol"):
+        await stream_downstream(websocket, downstream, name="no-direct")
+    assert downstream.closed  # the subscriber is not left behind
