@@ -349,6 +349,15 @@ def test_the_websockets_pyproject_pins_is_the_major_version_whose_internals_are_
     assert pin == f"websockets>={major},<{major + 1}"
 
 
+@pytest.mark.parametrize("sizes", [[1], [3, 200], [125, 126, 65535, 65536], [0, 70000, 5]])
+def test_a_message_in_fragments_parses_back_as_one_text_message(sizes: list[int]) -> None:
+    parts = ["é" * (n // 2) + "x" * (n % 2) for n in sizes]
+    frames = read_server_frames(b"".join(wsframes.fragment_frames(parts)))
+    assert [f.opcode for f in frames] == [Opcode.TEXT] + [Opcode.CONT] * (len(parts) - 1)
+    assert [f.fin for f in frames] == [False] * (len(parts) - 1) + [True]
+    assert b"".join(f.data for f in frames).decode() == "".join(parts)
+
+
 async def _no_receive() -> Message:
     raise AssertionError("nothing is received")
 
