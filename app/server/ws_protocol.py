@@ -242,7 +242,8 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
             # for a frame not sent) go to the receive loop, which names the error.
             handled = match(acks)
             self._queue_texts([ack_frame(ack) for ack in acks[handled:]])
-        elif (texts := client_texts(data, self._max_message_size())) is None:
+        # ``ws_max_size``: the message size limit uvicorn gives websockets.
+        elif (texts := client_texts(data, self.config.ws_max_size)) is None:
             super().data_received(data)
         else:
             self._deliver_texts(texts, match)
@@ -434,10 +435,6 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         of bytes received but not yet parsed, and a read that continues a frame must
         not be parsed from its start."""
         return self._open_for_frames() and not self.frames and not self.conn.reader.buffer
-
-    def _max_message_size(self) -> int:
-        """The message size limit websockets enforces (uvicorn passes it as ``max_size``)."""
-        return self.config.ws_max_size
 
     def _ack_matcher(self) -> Callable[[list[int]], int] | None:
         """The transport's ack matcher, if acks may go to it now: not closing, and
