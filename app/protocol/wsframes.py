@@ -1,7 +1,8 @@
 """The websocket frames of the replication streams, as pure functions (RFC 6455 §5).
 
-What the server writes: ``{"id":N,…}`` envelopes (wire.md §1.1, §5.3) in unmasked
-FIN text frames (a large message, ``Pieces``, in fragments: :func:`fragment_frames`).
+What the server writes, all of it (app/server/transport.py writes no frame built
+elsewhere): ``{"id":N,…}`` envelopes (wire.md §1.1, §5.3) in unmasked FIN text
+frames (a large message, ``Pieces``, in fragments: :func:`fragment_frames`).
 :func:`msg_envelope` and :func:`envelope_texts` are the one place an envelope is
 spelled (v6: a ``msg`` frame per message; v7: ``batch`` frames of up to
 ``per_frame`` messages, a lone message as ``msg``; a large message as ``msg``);
@@ -51,13 +52,19 @@ _HEADER_16: Final = struct.Struct("!BBH")
 _HEADER_64: Final = struct.Struct("!BBQ")
 
 
+def _header(first: int, n: int) -> bytes:
+    """A server (unmasked) frame header: ``first`` (FIN and opcode), the length of
+    an ``n``-byte payload."""
+    if n < 126:
+        return bytes((first, n))
+    if n < 1 << 16:
+        return _HEADER_16.pack(first, 126, n)
+    return _HEADER_64.pack(first, 127, n)
+
+
 def frame_header(n: int) -> bytes:
     """A server (unmasked) FIN text frame header for an ``n``-byte payload."""
-    if n < 126:
-        return bytes((_FIN_TEXT, n))
-    if n < 1 << 16:
-        return _HEADER_16.pack(_FIN_TEXT, 126, n)
-    return _HEADER_64.pack(_FIN_TEXT, 127, n)
+    return _header(_FIN_TEXT, n)
 
 
 def fragment_frames(parts: Sequence[str]) -> Iterator[bytes]:
@@ -68,15 +75,7 @@ def fragment_frames(parts: Sequence[str]) -> Iterator[bytes]:
     for i, part in enumerate(parts):
         payload = part.encode()
         opcode = _OP_TEXT if i == 0 else _OP_CONTINUATION
-        first = (_FIN if i == last else 0) | opcode
-        n = len(payload)
-        if n < 126:
-            header = bytes((first, n))
-        elif n < 1 << 16:
-            header = _HEADER_16.pack(first, 126, n)
-        else:
-            header = _HEADER_64.pack(first, 127, n)
-        yield header + payload
+        yield _header((_FIN if i == last else 0) | opcode, len(payload)) + payload
 
 
 def encode_text_frames(texts: Sequence[str]) -> bytes:

@@ -12,9 +12,12 @@ Anything else — a binary frame, extra keys, an ack out of order or for an
 unsent frame — ends this stream with a protocol-error close; no other
 connection is affected.
 
-``await websocket.send_text`` is the back pressure: uvicorn's websocket protocols
-wait while the transport's write buffer is full, so one sender task per
-connection and no task per message.
+Frames are written straight to the socket by our websocket protocol's
+``DirectSocket`` (app/server/ws_protocol.py), which these streams require: a
+connection without it is refused with an error, never served another way. Waiting
+for the socket to be writable before each write is the back pressure (the wait ends
+when the connection does), so one sender task per connection and no task per
+message.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from app.protocol.envelope import AckError, parse_ack
 from app.protocol.pieces import Pieces, Text
 from app.protocol.wsframes import (
     encode_envelopes,
-    envelope_texts,
+    encode_text_frames,
     fragment_frames,
     frame_count,
     msg_envelope,
@@ -98,7 +101,7 @@ class Outbound:
         self._acked_id = 0
         self._runs: deque[tuple[int, Downstream | None, int]] = deque()
         self._lock = asyncio.Lock()
-        # uvicorn with our protocol offers per-frame shortcuts (app/server/ws_protocol.py).
+        # None: the connection is already lost (every send raises WebSocketDisconnect).
         self._direct = _direct(websocket)
         if self._direct is not None:
             self._direct.on_acks = self.match
@@ -179,12 +182,7 @@ class Outbound:
                 self._runs.append((first + whole - 1, downstream, per_frame))
             if rest:
                 self._runs.append((first + whole, downstream, rest))
-        direct = self._direct
-        if direct is not None and direct.can_write():
-            direct.write(encode_envelopes(first, texts, per_frame))
-            return
-        for text in envelope_texts(first, texts, per_frame):
-            await self._websocket.send_text(text)
+        await self._write(encode_envelopes(first, texts, per_frame))
 
     async def _send_pieces(self, message: Pieces, downstream: Downstream | None) -> None:
         """A large message in a frame of its own (``msg``, in v7 too), written a
@@ -194,21 +192,22 @@ class Outbound:
         self._next_id += 1
         self._runs.append((frame_id, downstream, 0 if downstream is None else 1))
         envelope = msg_envelope(frame_id, message)
-        direct = self._direct
-        if direct is None:
-            # Only under another server than ours (ASGI has no fragments): whole.
-            await self._websocket.send_text(envelope.join())
-            return
         for frame in fragment_frames(envelope.parts):
-            if not direct.can_write() and not await direct.wait_writable():
-                raise WebSocketDisconnect(1006, "connection closed while sending")
-            direct.write(frame)
+            await self._write(frame)
             await asyncio.sleep(0)  # one fragment per turn of the loop
 
     async def send_raw(self, text: str) -> None:
         """A frame outside the id sequence (an ack of a client frame)."""
         async with self._lock:
-            await self._websocket.send_text(text)
+            await self._write(encode_text_frames([text]))
+
+    async def _write(self, frames: bytes) -> None:
+        """Writes whole frames once the socket takes them; raises WebSocketDisconnect
+        if it will not any more (closing, closed: the wait ends with the connection)."""
+        direct = self._direct
+        if direct is None or (not direct.can_write() and not await direct.wait_writable()):
+            raise WebSocketDisconnect(1006, "connection closed while sending")
+        direct.write(frames)
 
     def _consume_through(self, acked_id: int) -> None:
         """Frames up to ``acked_id`` were acked: consume their messages."""
@@ -241,7 +240,11 @@ async def stream_downstream(
     websocket: WebSocket, downstream: Downstream, *, name: str, batched: bool = False
 ) -> None:
     """Sends ``downstream`` and matches acks until either side ends the stream."""
-    outbound = Outbound(websocket)
+    try:
+        outbound = Outbound(websocket)
+    except BaseException:
+        downstream.close("connection ended")
+        raise
     sender = asyncio.create_task(outbound.pump(downstream, batched=batched), name=f"send-{name}")
     receiver = asyncio.create_task(_receive_acks(websocket, outbound), name=f"recv-{name}")
     # The channel closed by the server (the subscriber was dropped) ends the stream
@@ -321,8 +324,8 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 def abort(websocket: WebSocket) -> None:
-    """Drops the connection at once, discarding what is queued for it (our
-    protocol's socket; elsewhere the server closes it when the app returns)."""
+    """Drops the connection at once, discarding what is queued for it (nothing to
+    do once it is lost)."""
     direct = _direct(websocket)
     if direct is not None:
         direct.abort()
@@ -355,18 +358,31 @@ async def close(
     if violation is not None:
         log.info("closing stream: %s", violation)
     direct = _direct(websocket)
-    if plain and direct is not None and direct.close_without_status():
+    if direct is None:
+        return  # lost: nothing to close
+    if plain:
+        # ASGI cannot send a close frame without a code (peers of the reference see
+        # 1005); False only if a close is already under way, or the socket closing.
+        direct.close_without_status()
         return
     with contextlib.suppress(Exception):
-        if violation is not None and not plain:
+        if violation is not None:
             await websocket.close(PROTOCOL_ERROR, close_reason(f"Error: {violation}"))
         else:
-            # ASGI cannot send a close frame without a code (which peers of the
-            # reference see as 1005); 1000 means the same to them: reconnect.
             await websocket.close(NORMAL_CLOSURE)
 
 
 def _direct(websocket: WebSocket) -> DirectSocket | None:
-    """Our protocol's shortcuts for this connection (None under another server)."""
+    """This connection's ``DirectSocket``; None once the connection is lost.
+
+    Raises RuntimeError under a server without our websocket protocol: the streams
+    write their frames only through it."""
     extension = (websocket.scope.get("extensions") or {}).get(DIRECT)
-    return extension.get("socket") if extension else None
+    if extension is None:
+        raise RuntimeError(
+            "the replication streams need uvicorn with app.server.ws_protocol.LivenessProtocol "
+            "(uvicorn.Config(ws=LivenessProtocol...), as `changestreamer serve` runs it): "
+            f"this connection has no {DIRECT!r} extension"
+        )
+    socket: DirectSocket | None = extension.get("socket")
+    return socket

@@ -6,16 +6,19 @@ peer is alive if *either* a pong *or* any other frame (an ack, say) arrived, bec
 a replicator busy applying a large transaction may answer pings late while its acks
 still flow. So any inbound data here counts as the pong that uvicorn waits for.
 
-Fast path. A subscriber gets one text frame per change and answers each with an ack
-frame, so per-frame overhead is the server's cost per subscriber. Through uvicorn's
-sans-I/O layer a send costs ~16 µs (ASGI dispatch, the websockets frame machinery)
-and a received ack ~15 µs (a generator-based parser). Here, while the connection is
-plainly open (handshake done, no close in progress, no extensions, nothing half-read
-in the websockets parser, no fragmented message), outgoing frames are written
-directly (built by ``app.protocol.wsframes``), and an inbound chunk made only of
-whole, masked, FIN text frames is unmasked and queued directly. Anything else — control frames,
-fragments, partial frames, oversized or invalid UTF-8 payloads — goes to uvicorn's
-path untouched, so every protocol rule and error is still the library's.
+Direct frames. A subscriber gets one text frame per change and answers each with an
+ack frame, so per-frame overhead is the server's cost per subscriber. Through
+uvicorn's sans-I/O layer a send costs ~16 µs (ASGI dispatch, the websockets frame
+machinery) and a received ack ~15 µs (a generator-based parser). So the replication
+streams write their data frames themselves (``DirectSocket``, frames built by
+``app.protocol.wsframes``), never through ASGI ``websocket.send``: the socket is their
+only data writer. No extension is ever negotiated (the frames go out as they are,
+uncompressed). Inbound, while the connection is plainly open (handshake done, no close
+in progress, nothing half-read in the websockets parser, no fragmented message), a
+chunk made only of whole, masked, FIN text frames is unmasked and queued directly.
+Anything else — control frames, fragments, partial frames, oversized or invalid UTF-8
+payloads — goes to uvicorn's path untouched, so every protocol rule and error on the
+way in is still the library's.
 
 Control frames are bounded like data: a client gets a burst of pings and pongs and a
 rate (``CONTROL_BURST``, ``CONTROL_PER_S``); past it, it is closed with 1008. Below it,
@@ -24,9 +27,12 @@ over its high-water mark, so a peer that pings without reading queues nothing.
 
 This leans on uvicorn's sans-I/O implementation's attributes (``conn``, ``queue``,
 ``read_paused``, ``pending_ping_payload``, ``pong_timer``, ``schedule_ping``,
-``disconnected``...), all there from uvicorn 0.52.1 on: an older uvicorn fails at import
-with a message saying so, and tests pin the behaviour, so an uvicorn or websockets
-upgrade that renames them fails loudly.
+``disconnected``, ``frames``...), all there from uvicorn 0.52.1 on, and on three of
+websockets' own protocol internals, which its public API has no equivalent for (each
+named where it is read: ``conn.reader.buffer``, ``conn.events`` with ``conn.writes``,
+``conn.parser``), as they are in websockets 17. Both are checked at import, here and
+nowhere else: another uvicorn or websockets fails with a message saying what is needed,
+and tests pin the behaviour.
 """
 
 from __future__ import annotations
@@ -40,12 +46,15 @@ from collections.abc import Callable
 from typing import Any, Final, cast
 
 from uvicorn._types import ASGISendEvent
+from uvicorn.config import Config
+from uvicorn.server import ServerState
 from websockets.frames import Opcode
 from websockets.http11 import Request
 from websockets.protocol import State
+from websockets.server import ServerProtocol
 
 from app.protocol.envelope import ack_frame, quick_ack
-from app.protocol.wsframes import ack_ids, client_texts, encode_text_frames
+from app.protocol.wsframes import ack_ids, client_texts
 
 # The oldest uvicorn whose sans-I/O protocol has every attribute used here (0.52.1
 # added ``disconnected`` and the closing handshake; 0.44 the ping timers; 0.35 the
@@ -65,7 +74,26 @@ def check_uvicorn(version: str) -> None:
         )
 
 
+# The websockets major version whose protocol internals this module reads (see
+# ``_plainly_open``, ``handle_events``, ``connection_lost``); pyproject.toml pins it.
+WEBSOCKETS_MAJOR: Final = 17
+
+
+def check_websockets(version: str) -> None:
+    """Raises ImportError, saying what is needed, for a websockets other than the major
+    version whose internals this module reads."""
+    major = re.match(r"(\d+)", version)
+    if major is None or int(major.group(1)) != WEBSOCKETS_MAJOR:
+        raise ImportError(
+            f"websockets {version} is not supported by app/server/ws_protocol.py: it reads "
+            f"websockets {WEBSOCKETS_MAJOR}.x protocol internals (the parser's buffer, its "
+            "parsed events and queued writes, the parser generator); install the range "
+            "pyproject.toml pins"
+        )
+
+
 check_uvicorn(importlib.metadata.version("uvicorn"))
+check_websockets(importlib.metadata.version("websockets"))
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import (  # noqa: E402
     WebSocketsSansIOProtocol,
@@ -83,13 +111,13 @@ DIRECT: Final = "changestreamer.direct"
 class DirectSocket:
     """Per-frame shortcuts past ASGI, for the replication streams' hot path.
 
-    ``can_write`` says whether the connection is plainly open for frames (False:
-    use the ASGI send); ``write`` then writes whole frames (``app.protocol.wsframes``)
-    at once. ``on_acks``, when set, gets the ids of the leading ``{"ack":N}`` frames
-    of each read and returns how many of them, from the first, it matched; those
-    never reach the ASGI receive queue, the rest (and any other frame) are queued
-    as usual — so an invalid frame still reaches the app's receive loop with its
-    error.
+    The streams' only way to write data: ``can_write`` says whether the connection
+    takes frames now (False: ``wait_writable`` first); ``write`` then writes whole
+    frames (``app.protocol.wsframes``) at once. ``on_acks``, when set, gets the ids
+    of the leading ``{"ack":N}`` frames of each read and returns how many of them,
+    from the first, it matched; those never reach the ASGI receive queue, the rest
+    (and any other frame) are queued as usual — so an invalid frame still reaches
+    the app's receive loop with its error.
     """
 
     def __init__(self, protocol: LivenessProtocol) -> None:
@@ -104,7 +132,8 @@ class DirectSocket:
 
     async def wait_writable(self) -> bool:
         """Waits until ``can_write``; False if the connection will not take frames
-        any more (closing, closed). Unbounded, like a send: a client that stops
+        any more (closing, closed: a lost connection sets ``writable``, so the wait
+        ends on disconnect). Otherwise unbounded, like a send: a client that stops
         reading is dropped by its channel's bounds, which end the sender."""
         protocol = self._protocol
         while not protocol.can_write_frames():
@@ -167,6 +196,9 @@ _PONG_FIRST_BYTE: Final = 0x80 | Opcode.PONG.value
 
 
 class LivenessProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's protocol with the liveness rule, the control-frame bounds and the
+    ``DIRECT`` extension (``DirectSocket``), which the replication streams require."""
+
     direct: DirectSocket | None = None  # set at the handshake
     # Control-frame allowance (a token bucket, refilled at CONTROL_PER_S).
     _control_tokens: float = float(CONTROL_BURST)
@@ -179,6 +211,21 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
     def with_queue_limit(cls, max_queued_bytes: int) -> type[LivenessProtocol]:
         """This protocol with sending paused above ``max_queued_bytes`` buffered."""
         return type(cls.__name__, (cls,), {"max_queued_bytes": max_queued_bytes})
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        # Without extensions, whatever ``ws_per_message_deflate`` says: the streams
+        # write their frames uncompressed (``DirectSocket``), which an extension such as
+        # per-message deflate would have to transform. Otherwise uvicorn's arguments.
+        self.conn = ServerProtocol(
+            max_size=config.ws_max_size, logger=logging.getLogger("uvicorn.error")
+        )
 
     def connection_made(self, transport: BaseTransport) -> None:
         bounded = _BoundedClose(cast(Transport, transport))
@@ -195,7 +242,8 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
             # for a frame not sent) go to the receive loop, which names the error.
             handled = match(acks)
             self._queue_texts([ack_frame(ack) for ack in acks[handled:]])
-        elif (texts := client_texts(data, self._max_message_size())) is None:
+        # ``ws_max_size``: the message size limit uvicorn gives websockets.
+        elif (texts := client_texts(data, self.config.ws_max_size)) is None:
             super().data_received(data)
         else:
             self._deliver_texts(texts, match)
@@ -220,6 +268,9 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         none while the socket's buffer is over its high-water mark (a peer that does
         not read gets no pong queued for it)."""
         conn = self.conn
+        # websockets internals (``conn.events``, ``conn.writes``): what the parser made
+        # of this read and the pongs it queued, before uvicorn acts on them; the public
+        # ``events_received``/``data_to_send`` would take them from uvicorn's handling.
         control = sum(
             1
             for event in conn.events
@@ -262,8 +313,8 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
             CONTROL_PER_S,
         )
         conn = self.conn
-        conn.events = []
-        conn.writes = []
+        conn.events_received()  # dropped
+        conn.data_to_send()  # dropped
         conn.fail(1008, "too many control frames")
         self.stop_keepalive()
         self.queue.put_nowait(
@@ -283,16 +334,20 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         # collector pass, rare with app/runtime/gc_tuning.py's thresholds (issue 25:
         # a flood's connections stayed after they closed).
         # - websockets' parser is a generator that never returns (it stops at a
-        #   last yield) and holds its connection;
+        #   last yield) and holds its connection: ``conn.parser`` (an internal; no
+        #   public call ends it) is closed;
         # - the protocol, its scope and its DirectSocket refer to each other, and
-        #   the app's sender reaches the socket through ``on_acks``.
+        #   the app's sender reaches the socket through ``on_acks``. The scope keeps
+        #   the extension, without its socket: the app sees a lost connection, not a
+        #   server without the extension.
         self.conn.parser.close()
         direct, self.direct = self.direct, None
         if direct is not None:
             direct.on_acks = None
             scope = getattr(self, "scope", None)
-            if scope is not None:
-                (scope.get("extensions") or {}).pop(DIRECT, None)
+            extension = (scope.get("extensions") or {}).get(DIRECT) if scope else None
+            if extension is not None:
+                extension["socket"] = None
 
     def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)
@@ -305,11 +360,6 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
             extensions[DIRECT] = {"socket": self.direct}
 
     async def send(self, message: ASGISendEvent) -> None:
-        if message["type"] == "websocket.send":
-            text = message.get("text")
-            if text is not None and self.can_write_frames():
-                self.transport.write(encode_text_frames([text]))
-                return
         await super().send(message)
         if message["type"] == "websocket.http.response.body" and self.close_sent:
             # The upgrade was answered with an HTTP response (a refusal), which ends
@@ -364,7 +414,9 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
 
     def can_write_frames(self) -> bool:
         """Whole frames may be written to the transport now. Sending needs less than
-        reading: the parser's state does not matter."""
+        reading: the parser's state does not matter, and no outgoing fragment of
+        websockets' can be open (the streams' data goes only through ``DirectSocket``,
+        whose fragments are written under the stream's send lock)."""
         return (
             self._open_for_frames()
             and self.writable.is_set()
@@ -373,24 +425,16 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         )
 
     def _open_for_frames(self) -> bool:
-        """Handshake done, no close begun, no extensions, no outgoing fragment."""
-        conn = self.conn
-        return (
-            self.handshake_complete
-            and not self.close_sent
-            and conn.state is State.OPEN
-            and not conn.extensions
-            and not conn.expect_continuation_frame
-        )
+        """Handshake done, no close begun."""
+        return self.handshake_complete and not self.close_sent and self.conn.state is State.OPEN
 
     def _plainly_open(self) -> bool:
-        """Open for frames, and nothing half-read in the library's parser."""
-        conn = self.conn
-        return self._open_for_frames() and not conn.reader.buffer and conn.current_size is None
-
-    def _max_message_size(self) -> int:
-        size = self.conn.max_message_size
-        return size if size is not None else 1 << 62
+        """Open for frames, and nothing half-read: no fragmented message begun (uvicorn
+        collects its fragments in ``frames``), no partial frame in websockets' parser.
+        The latter is ``conn.reader.buffer``, an internal: the public API says nothing
+        of bytes received but not yet parsed, and a read that continues a frame must
+        not be parsed from its start."""
+        return self._open_for_frames() and not self.frames and not self.conn.reader.buffer
 
     def _ack_matcher(self) -> Callable[[list[int]], int] | None:
         """The transport's ack matcher, if acks may go to it now: not closing, and

@@ -74,9 +74,11 @@ async def start_server(
     handshake_timeout_s: float = 10.0,
     handshakes_per_s: float = 50.0,
     auth: AdminAuth | None = None,
+    per_message_deflate: bool = False,
     **options: Any,
 ) -> AsyncIterator[Server]:
-    """The service behind uvicorn with the protocols (and their bounds) `serve` uses."""
+    """The service behind uvicorn with the protocols (and their bounds) `serve` uses
+    (``per_message_deflate``: uvicorn's option, off in `serve`)."""
     db, source, service = await new_service(tmp_path, task_id="server-test", **options)
     port = free_port()
     http = GuardedHttpProtocol.with_limits(max_pending, handshake_timeout_s, handshakes_per_s)
@@ -87,7 +89,7 @@ async def start_server(
         host="127.0.0.1",
         port=port,
         log_level="warning",
-        ws_per_message_deflate=False,
+        ws_per_message_deflate=per_message_deflate,
         ws=LivenessProtocol.with_queue_limit(64 * 1024),
         http=http,
     )

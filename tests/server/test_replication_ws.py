@@ -175,6 +175,23 @@ async def test_a_burst_is_written_together_in_frames_with_consecutive_ids(
         await until_acked(server, "03")
 
 
+async def test_no_extension_is_negotiated_even_where_uvicorn_would_deflate(
+    tmp_path: Path,
+) -> None:
+    # The streams write their frames as they are (app/server/ws_protocol.py): a client
+    # offering per-message deflate (websockets' does by default) gets plain frames.
+    async for server in start_server(tmp_path, per_message_deflate=True):
+        async with connect(f"{server.url}/replication/v6/changes?{QUERY}") as ws:
+            assert ws.response is not None
+            assert "Sec-WebSocket-Extensions" not in ws.response.headers
+            assert await recv(ws) == {"id": 1, "msg": ["status", {"tag": "status"}]}
+            await ws.send('{"ack":1}')
+            stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
+            stream.push_all(txn("02"))
+            frames = [await recv(ws) for _ in range(3)]
+            assert [f["id"] for f in frames] == [2, 3, 4]
+
+
 async def test_wrong_replica_version_is_message_1_then_the_socket_closes(server: Server) -> None:
     url = f"{server.url}/replication/v6/changes?id=x&replicaVersion=0z&watermark=0z"
     async with connect(url) as ws:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from starlette.types import Message
+from starlette.websockets import WebSocket
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 from websockets.utils import apply_mask
@@ -28,6 +30,8 @@ from app.protocol.wsframes import client_texts as _text_frames
 from app.protocol.wsframes import encode_text_frames as _text_frames_bytes
 from app.protocol.wsframes import frame_header as _frame_header
 from app.server import ws_protocol
+from app.server.transport import stream_downstream
+from app.streamer.downstream import Downstream
 from tests.c_helpers import built, needs
 
 _wsfast = built("app.protocol._wsfast")
@@ -324,3 +328,49 @@ def test_the_range_pyproject_pins_starts_where_the_attributes_exist() -> None:
     (pin,) = [d for d in pyproject["project"]["dependencies"] if d.startswith("uvicorn")]
     minimum = ".".join(map(str, ws_protocol.UVICORN_MINIMUM))
     assert pin == f"uvicorn[standard]>={minimum},<0.55"
+
+
+@pytest.mark.parametrize("version", ["16.0", "18.0", "18.0rc1", "9.1", "unknown"])
+def test_a_websockets_other_than_the_one_whose_internals_are_read_fails_at_import(
+    version: str,
+) -> None:
+    with pytest.raises(
+        ImportError, match=rf"websockets {re.escape(version)} is not supported .* 17\.x"
+    ):
+        ws_protocol.check_websockets(version)
+
+
+def test_the_websockets_pyproject_pins_is_the_major_version_whose_internals_are_read() -> None:
+    for version in ("17.0", "17.4", "17.10.1"):
+        ws_protocol.check_websockets(version)
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    (pin,) = [d for d in pyproject["project"]["dependencies"] if d.startswith("websockets")]
+    major = ws_protocol.WEBSOCKETS_MAJOR
+    assert pin == f"websockets>={major},<{major + 1}"
+
+
+@pytest.mark.parametrize("sizes", [[1], [3, 200], [125, 126, 65535, 65536], [0, 70000, 5]])
+def test_a_message_in_fragments_parses_back_as_one_text_message(sizes: list[int]) -> None:
+    parts = ["é" * (n // 2) + "x" * (n % 2) for n in sizes]
+    frames = read_server_frames(b"".join(wsframes.fragment_frames(parts)))
+    assert [f.opcode for f in frames] == [Opcode.TEXT] + [Opcode.CONT] * (len(parts) - 1)
+    assert [f.fin for f in frames] == [False] * (len(parts) - 1) + [True]
+    assert b"".join(f.data for f in frames).decode() == "".join(parts)
+
+
+async def _no_receive() -> Message:
+    raise AssertionError("nothing is received")
+
+
+async def _no_send(message: Message) -> None:
+    raise AssertionError(f"nothing is sent: {message}")
+
+
+async def test_a_stream_under_a_server_without_the_direct_socket_fails_saying_so() -> None:
+    # Starlette's TestClient, or uvicorn's own websocket protocols: no DIRECT extension.
+    scope = {"type": "websocket", "path": "/", "headers": [], "extensions": {}}
+    websocket = WebSocket(scope, _no_receive, _no_send)
+    downstream = Downstream()
+    with pytest.raises(RuntimeError, match=r"need uvicorn with .*LivenessProtocol"):
+        await stream_downstream(websocket, downstream, name="no-direct")
+    assert downstream.closed  # the subscriber is not left behind
