@@ -66,7 +66,6 @@ class WaitDurable(Protocol):
 @dataclass(slots=True)
 class _Catchup:
     sub: Subscriber
-    mode: Mode
     started: float  # when it was asked for (Timers.monotonic)
     task: asyncio.Task[None] | None = None
     job: Job | None = None  # its progress, once the read is under way
@@ -123,7 +122,7 @@ class Catchups:
 
     def catchup(self, sub: Subscriber, mode: Mode) -> None:
         """Catches ``sub`` up to the stream position of this very call (module doc)."""
-        request = _Catchup(sub, mode, self._timers.monotonic())
+        request = _Catchup(sub, self._timers.monotonic())
         # A backlog that passes its hard bound is dropped; the next round reads it.
         # (Without ``sub`` in it: a cycle would keep a closed subscriber for the GC.)
         sub.catch_up_again = partial(self.catchup, mode=mode)

@@ -542,7 +542,8 @@ class Storer:
 
     @property
     def durable_waiters(self) -> int:
-        """Waits on ``wait_durable`` not yet answered (or abandoned)."""
+        """Waits on ``wait_durable`` held (one whose subscriber closed, until the
+        durable watermark next moves)."""
         return len(self._durable_waiters)
 
     async def close_catchups(self) -> None:
