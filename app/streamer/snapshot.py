@@ -183,7 +183,7 @@ def take_snapshot(service: SnapshotSource) -> ServiceSnapshot:
         },
         commit_forward_s=HistogramReading.of(service.commit_forward_seconds),
         group_commit_rows=HistogramReading.of(storer.group_commit_rows),
-        catchup_s=HistogramReading.of(storer.catchup_seconds),
+        catchup_s=HistogramReading.of(storer.catchups.seconds),
         backup=BackupSnapshot(
             url=backups.backup_url,
             watermark=backups.watermark,

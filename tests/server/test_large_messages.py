@@ -86,7 +86,7 @@ async def test_a_large_change_streams_live_and_is_stored(server: Server, batched
         stream.push_all(transaction("02"))
         assert await read_messages(ws, 4) == expected_messages("02")
     await asyncio.wait_for(server.service.storer.wait_durable("02"), 30)
-    log = server.service.storer._log
+    log = server.service.change_log
     rows = [row async for batch in log.read("02", "02") for row in batch]
     assert [r[:2] for r in rows] == [("02", 0), ("02", 1), ("02", 2), ("02", 3)]
     assert loads(join_text(rows[1][2])) == expected_messages("02")[1][1]
@@ -113,7 +113,7 @@ async def test_a_large_change_is_caught_up(tmp_path: Path, tail_bytes: int) -> N
                 ]
             )
             await asyncio.wait_for(server.service.storer.wait_durable("03"), 30)
-        log = server.service.storer._log
+        log = server.service.change_log
         read = log.read
         kinds: list[type] = []
 

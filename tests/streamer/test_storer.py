@@ -15,7 +15,7 @@ from app.protocol.codec import reconstruct
 from app.protocol.errors import ErrorType
 from app.protocol.lexi import to_lexi
 from app.protocol.pieces import Text
-from app.storage import ChangeDb, ChangeLog, OwnershipLostError, Replication
+from app.storage import ChangeDb, ChangeLog, OwnershipLostError, Replication, StoredRow
 from app.streamer.downstream import Downstream
 from app.streamer.storer import Storer, WedgedError
 from app.streamer.subscriber import Change, Mode, Subscriber
@@ -55,12 +55,36 @@ def txn(w: str, n: int = 1) -> list[tuple[str, str, str, object]]:
     return [begin(w), *[insert(w, i) for i in range(n)], commit(w)]
 
 
+class WedgingLog(ChangeLog):
+    """A change log whose group commits hang once ``wedge`` is called, as on a disk
+    that stopped answering, until ``unwedge``: the storer runs but consumes nothing
+    more."""
+
+    def __init__(self, db: ChangeDb) -> None:
+        super().__init__(db)
+        self.hung = asyncio.Event()  # a group commit is hanging
+        self._going = asyncio.Event()
+        self._going.set()
+
+    def wedge(self) -> None:
+        self._going.clear()
+
+    def unwedge(self) -> None:
+        self._going.set()
+
+    async def commit_rows(self, owner: str, rows: Sequence[StoredRow], last_watermark: str) -> None:
+        if not self._going.is_set():
+            self.hung.set()
+            await self._going.wait()
+        await super().commit_rows(owner, rows, last_watermark)
+
+
 class Harness:
-    def __init__(self, db: ChangeDb, **kw: Any) -> None:
+    def __init__(self, db: ChangeDb, *, change_log: ChangeLog | None = None, **kw: Any) -> None:
         self.timers = ManualTimers()
         self.durable: list[str] = []
         self.fatal: list[BaseException] = []
-        self.log = ChangeLog(db)
+        self.log = change_log or ChangeLog(db)
         self.storer = Storer(
             change_log=self.log,
             replication=Replication(db),
@@ -253,9 +277,13 @@ async def test_back_pressure_gate_opens_once_the_queue_drains(change_db: ChangeD
 async def test_a_wedged_change_log_fails_the_gate_after_the_statement_timeout(
     change_db: ChangeDb,
 ) -> None:
-    h = Harness(change_db, back_pressure_bytes=100, statement_timeout_s=20)
-    h.storer._running = True  # nothing consumes: the log looks wedged
-    h.feed(txn("02", 5))
+    wedging = WedgingLog(change_db)
+    h = Harness(change_db, change_log=wedging, back_pressure_bytes=100, statement_timeout_s=20)
+    h.start()
+    wedging.wedge()
+    h.feed(txn("02"))  # taken, and its commit hangs: nothing more is consumed
+    await asyncio.wait_for(wedging.hung.wait(), 10)
+    h.feed(txn("03", 5))
     gate = h.storer.ready_for_more()
     assert gate is not None
     assert h.timers.pending() == [20.0]
@@ -266,7 +294,8 @@ async def test_a_wedged_change_log_fails_the_gate_after_the_statement_timeout(
     fresh = h.storer.ready_for_more()
     assert fresh is not None
     assert fresh is not gate
-    h.storer._running = False
+    wedging.unwedge()
+    await h.close()
 
 
 # -- catch-up ---------------------------------------------------------------
@@ -364,7 +393,7 @@ async def test_a_subscriber_that_does_not_read_holds_no_catch_up_turn(
         assert stuck.backlogged
         assert stuck_ds.pending > 1
         stuck.close()
-        await eventually(lambda: not h.storer._catchups, "the stuck catch-up ends")
+        await eventually(lambda: not h.storer.catchups.running, "the stuck catch-up ends")
     finally:
         await h.close()
 
@@ -510,7 +539,7 @@ async def test_a_long_catch_up_shows_its_progress_and_leaves_the_view_when_done(
         await eventually(read_to_the_end, "the rest of the catch-up")
         assert len(received) == 1 + 30  # the status, then every change once
         # Finished: it leaves the view (which stays bounded).
-        await eventually(lambda: not h.storer.progress.jobs, "the job to leave the view")
+        await eventually(lambda: not h.storer.catchups.progress.jobs, "the job to leave the view")
     finally:
         await h.close()
         await h.storer.close_catchups()

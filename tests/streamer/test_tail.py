@@ -89,7 +89,7 @@ async def test_a_catch_up_near_the_head_gets_the_same_stream_from_memory_and_fro
     assert [m[1].get("new") for m in msgs if m[0] == "data"] == [
         {"id": i} for i in [*range(100), *range(2)]
     ]
-    counts = h.storer.catchups_from_memory, h.storer.catchups_from_log
+    counts = h.storer.catchups.from_memory, h.storer.catchups.from_log
     assert counts == ((1, 0) if h.kind == "memory" else (0, 1))  # type: ignore[attr-defined]
 
 
@@ -101,7 +101,7 @@ async def test_a_purged_watermark_is_too_old_though_the_tail_held_it(harness: Ha
     msgs = await collect(ds, 1)
     assert msgs[0][0] == "error"
     assert msgs[0][1]["type"] == int(ErrorType.WATERMARK_TOO_OLD)
-    assert harness.storer.catchups_from_log == 1
+    assert harness.storer.catchups.from_log == 1
 
 
 async def test_a_transaction_written_in_pieces_empties_the_tail(change_db: ChangeDb) -> None:
@@ -115,10 +115,10 @@ async def test_a_transaction_written_in_pieces_empties_the_tail(change_db: Chang
         _sub, ds = subscribe(h, "02")  # 02 and 03 are read from the log
         msgs = await collect(ds, 1 + 202 + 3)
         assert msgs[-1] == ["commit", {"tag": "commit"}, {"watermark": "04"}]
-        assert (h.storer.catchups_from_memory, h.storer.catchups_from_log) == (0, 1)
+        assert (h.storer.catchups.from_memory, h.storer.catchups.from_log) == (0, 1)
         _sub, ds = subscribe(h, "04")  # held again from the next transaction on
         assert [m[0] for m in await collect(ds, 1)] == ["status"]
-        assert h.storer.catchups_from_memory == 1
+        assert h.storer.catchups.from_memory == 1
     finally:
         await h.close()
 
@@ -129,11 +129,11 @@ async def test_a_new_stream_from_another_end_of_the_log_empties_the_tail(harness
     harness.storer.reset_for_stream("05")  # another owner stored 03..05 meanwhile
     _sub, ds = subscribe(harness, "02")
     assert [m[0] for m in await collect(ds, 1)] == ["status"]
-    assert (harness.storer.catchups_from_memory, harness.storer.catchups_from_log) == (0, 1)
+    assert (harness.storer.catchups.from_memory, harness.storer.catchups.from_log) == (0, 1)
 
 
 async def test_batches_from_memory_ramp_up_as_reads_of_the_log_do() -> None:
-    from app.streamer.storer import _ramped
+    from app.streamer.catchup import _ramped
 
     transactions = [rows("02", 3), rows("03", 100), rows("04", 1)]
     sizes = [len(b) async for b in _ramped(transactions, 4, 32)]
