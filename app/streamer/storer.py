@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.flow_gate import HighLowGate
 from app.protocol.canonical_json import loads
 from app.protocol.changes import SCHEMA_CHANGE_TAGS
 from app.protocol.codec import data_change, extract_change
@@ -120,7 +121,6 @@ class Storer:
         self._owner = owner
         self._timers = timers
         self._on_durable = on_durable
-        self._budget = back_pressure_bytes
         self._statement_timeout_s = statement_timeout_s
         self._group_max_rows = group_max_rows
         self._open_tx_flush_bytes = open_tx_flush_bytes
@@ -136,7 +136,8 @@ class Storer:
         self._last_enqueued_commit = durable_watermark
         # Catch-ups wait for ``owned`` (a takeover may still be moving the log's end).
         self._until_owned = hold_catchups_until_owned
-        self._gate: asyncio.Future[None] | None = None
+        # Closed once the queue is at the byte budget, open again at 80 % of it.
+        self._gate = HighLowGate(back_pressure_bytes, int(back_pressure_bytes * LOW_WATER_FRACTION))
         self._watchdog: TimerHandle | None = None
 
         # Consumer side.
@@ -266,13 +267,13 @@ class Storer:
         """None, or a gate to await while the queue holds more than the byte budget."""
         if not self._running:
             return None
-        if self._gate is None and self._queued_bytes > self._budget:
+        gate = self._gate
+        if not gate.closed and gate.rise(self._queued_bytes):
             log.warning(
                 "change log writes are behind by %d bytes; pausing upstream", self._queued_bytes
             )
-            self._gate = asyncio.get_running_loop().create_future()
             self._arm_watchdog()
-        return self._gate
+        return gate.wait()
 
     @property
     def queued_bytes(self) -> int:
@@ -293,32 +294,31 @@ class Storer:
 
     def _on_wedged(self) -> None:
         self._watchdog = None
-        gate, self._gate = self._gate, None
-        if gate is not None and not gate.done():
-            gate.set_exception(
-                WedgedError(
-                    f"No statement processed within the last "
-                    f"{round(self._statement_timeout_s * 1000)}ms. "
-                    "Considering the change-log to be wedged."
-                )
+        self._gate.fail(
+            WedgedError(
+                f"No statement processed within the last "
+                f"{round(self._statement_timeout_s * 1000)}ms. "
+                "Considering the change-log to be wedged."
             )
+        )
 
     def _processed(self, size: int) -> None:
         self._queued_bytes -= size
-        if self._gate is None:
+        if not self._gate.closed:
             return
-        if self._queued_bytes < self._budget * LOW_WATER_FRACTION:
-            self._open_gate()
+        if self._gate.fall(self._queued_bytes):
+            self._cancel_watchdog()
         else:
             self._arm_watchdog()  # progress: restart the clock
 
     def _open_gate(self) -> None:
+        self._cancel_watchdog()
+        self._gate.open()
+
+    def _cancel_watchdog(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        gate, self._gate = self._gate, None
-        if gate is not None and not gate.done():
-            gate.set_result(None)
 
     # ------------------------------------------------------------------
     # Consumer.
