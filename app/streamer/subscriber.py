@@ -149,7 +149,6 @@ class Subscriber:
         self.downstream = downstream
         self._latest_lag_report = latest_lag_report
         self._unsupported = frozenset(t for t, v in _MIN_VERSION.items() if protocol_version < v)
-        self._high_water = high_water
         # Closed while the backlog is at high water, until it is back at low water.
         self._gate = HighLowGate(high_water, int(high_water * BACKLOG_LOW_WATER_FRACTION))
         self._max_backlog_bytes = high_water * BACKLOG_MAX_FACTOR
@@ -164,7 +163,8 @@ class Subscriber:
         self.catch_up_again: Callable[[Subscriber], None] | None = None
         self._drain_bytes = 0  # drained from the backlog, not yet consumed
         self._drain_task: asyncio.Task[None] | None = None
-        self._room = asyncio.Event()  # set when drained-but-unconsumed bytes fall below high water
+        # The drain's own pause: drained-but-unconsumed bytes at high water, until low.
+        self._room = HighLowGate(high_water, int(high_water * BACKLOG_LOW_WATER_FRACTION))
         self._initialized = False
         self._closed = False
         # Commits pushed and not yet consumed: (message number, watermark).
@@ -279,9 +279,8 @@ class Subscriber:
                 self._drain_bytes += size
                 consumed.add_done_callback(partial(self._drained, size))
             self._maybe_open_gate()
-            while self._drain_bytes >= self._high_water and not self._closed:
-                self._room.clear()
-                await self._room.wait()
+            if self._room.rise(self._drain_bytes):
+                await self._room.opened()
         if self._closed:
             return
         if self._backlog_dropped:  # what it dropped is in the change log: read it
@@ -313,8 +312,7 @@ class Subscriber:
 
     def _drained(self, size: int, _consumed: asyncio.Future[bool]) -> None:
         self._drain_bytes -= size
-        if self._drain_bytes < self._high_water:
-            self._room.set()
+        self._room.fall(self._drain_bytes)
         self._maybe_open_gate()
 
     def _maybe_open_gate(self, *, force: bool = False) -> None:
@@ -400,7 +398,7 @@ class Subscriber:
             self._backlog.clear()
         self._backlog_bytes = 0
         self._drain_bytes = 0
-        self._room.set()
+        self._room.open()
         self._maybe_open_gate(force=True)
         # Let go of the task too: a cancelled one keeps its CancelledError, whose
         # traceback holds the drain's frame and so this subscriber, in a cycle.
