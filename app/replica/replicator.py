@@ -30,7 +30,7 @@ import logging
 from collections.abc import AsyncIterable, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 from app.protocol.messages import Begin, Commit, Control, Data, Rollback, Status
 from app.protocol.subscription_messages import DownstreamStatus
@@ -62,7 +62,6 @@ class Replicator:
         self._mode: WriterMode = mode
         self._on_commit = on_commit
         self._writer: ReplicaWriter | None = None
-        self.last_lag_report: dict[str, Any] | None = None
         self.commits = 0
 
     async def open(self) -> None:
@@ -148,8 +147,7 @@ class Replicator:
             elif isinstance(message, Rollback):
                 writer.abort()
             elif isinstance(message, DownstreamStatus | Status):
-                if message.lag_report is not None:
-                    self.last_lag_report = message.lag_report
+                pass  # nothing to apply (the replica keeps no lag report)
             elif isinstance(message, Control):
                 writer.abort()
                 raise ResyncRequiredError(
