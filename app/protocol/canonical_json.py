@@ -31,19 +31,8 @@ orjson runs again; big ints and lone surrogates take a pure-Python encoder.
 turns integers outside the 64-bit range into floats) or orjson rejects it (lone
 surrogate escapes, deep nesting); then the stdlib parser, exact for big ints, runs.
 
-Measured on a ~220-byte insert (python 3.11, orjson 3.13, a noisy 2-vCPU VM,
-``timeit`` best of 15; orjson alone: dumps ~0.4 us, loads ~1.2 us):
-
-==========================================  ====================  ===================
-row values                                  dumps                 loads
-==========================================  ====================  ===================
-ints and strings                            ~1.8 us (~550k/s)     ~2.0 us (~500k/s)
-non-integral floats (``0.75``)              ~1.9 us (~520k/s)     ~2.0 us (~500k/s)
-a ``null`` column                           ~3.5 us (~280k/s)     ~1.9 us (~520k/s)
-integral floats (``1.0``): Fragment path    ~9 us (~110k/s)       ~2.0 us
-an int beyond 64 bits: pure Python          ~11 us (~90k/s)       ~7 us (~140k/s)
-==========================================  ====================  ===================
-
+The fast path costs about 1.8 us for a ~220-byte insert, a Fragment pass about five
+times that, the pure-Python encoder about six (docs/benchmarks.md, "canonical_json").
 Producers that know a value is integral should pass an ``int``: same output, fast path.
 """
 

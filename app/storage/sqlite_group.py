@@ -105,13 +105,12 @@ _STAGE_ZEROS = f'INSERT INTO temp."{STAGE_TABLE}" ("utf8") VALUES (zeroblob(?))'
 # took seconds under load (the convoy effect). Many rows per step avoid that,
 # which is also why the largest statement is big: the storer writes 10,000-row
 # groups when it is behind, and 256-row statements made it fall further behind
-# (bench.fanout, session 6). A group of n rows is written with statements of
+# (docs/benchmarks.md). A group of n rows is written with statements of
 # 2048, 1024, ..., 2, 1 rows (n's binary digits below 2048): a handful of steps
 # and only twelve statement texts, all in sqlite3's statement cache. One
 # statement of exactly n rows (as before) had to be prepared anew for almost
 # every group, since group sizes vary, and preparing a many-row VALUES list cost
-# about as much as inserting its rows (`python -m bench.storage --tx-sizes 1-9
-# --groups varied`, docs/benchmarks.md, session 6).
+# about as much as inserting its rows (docs/benchmarks.md, `bench.storage`).
 ROWS_PER_STATEMENT = 2048
 
 # A row whose change text is at least this long is inserted on its own, by

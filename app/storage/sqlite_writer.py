@@ -3,9 +3,9 @@
 A group commit on SQLite is mostly work that holds the GIL — flattening and
 binding four parameters per row — and SQLite's own CPU. In aiosqlite's thread
 both compete with the event loop for the GIL and a core; in a process of their
-own they run on the other core beside it (bench.fanout, docs/benchmarks.md,
-session 6). Only the common group commit (``ChangeLog.commit_rows``: plain rows
-and ``lastWatermark`` under the ownership check) goes there; everything else —
+own they run on the other core beside it (docs/benchmarks.md). Only the common
+group commit (``ChangeLog.commit_rows``: plain rows and ``lastWatermark`` under
+the ownership check) goes there; everything else —
 migrations, config, purge, schema-change bookkeeping, a big transaction's own
 database transaction — stays on the in-process engines, and SQLite's locks
 (``BEGIN IMMEDIATE``, ``busy_timeout``) order the two writers; the storer never
