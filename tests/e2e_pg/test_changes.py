@@ -8,12 +8,13 @@ transaction framing (multi-row, rolled back, 100,000 rows) and the slot's
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 
 import psycopg
 
 from app.protocol.lexi import lsn_to_watermark
 from tests.e2e_pg.conftest import WAIT_S, StartUpstream, commit_watermark, data
+from tests.waiting import eventually
 
 ITEMS = "CREATE TABLE items (id int4 PRIMARY KEY, name text, n int8)"
 
@@ -249,16 +250,17 @@ async def test_slot_confirmed_flush_lsn_advances_once_changes_are_stored(
     watermark = commit_watermark(tx)
     slot = env.runtime.slot
     confirmed: str | None = None
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S
-    while loop.time() < deadline:
+
+    async def advanced() -> bool:
+        nonlocal confirmed
         rows = await env.query(
             f"SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = '{slot}'"
         )
         assert len(rows) == 1
         confirmed = lsn_to_watermark(rows[0][0])
-        if confirmed >= watermark:
-            break
-        await asyncio.sleep(0.05)
+        return confirmed >= watermark
+
+    with contextlib.suppress(AssertionError):  # the asserts below say where it is
+        await eventually(advanced, "confirmed_flush_lsn to advance", WAIT_S, poll_s=0.05)
     assert confirmed is not None
     assert confirmed >= watermark

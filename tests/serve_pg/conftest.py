@@ -375,7 +375,8 @@ class Writer:
                 if self.stop.is_set():
                     return
                 await self._one(conn, seq)
-                # Paced: the point is many commits across kills, not load on 2 cores.
+                # Paced, not a wait: the point is many commits across kills, not
+                # load on 2 cores.
                 await asyncio.sleep(0.004)
 
     async def _one(self, conn: psycopg.AsyncConnection[Any], seq: int) -> None:
@@ -456,16 +457,19 @@ async def compare_with_upstream(url: str, replica: Path) -> list[str]:
 
 async def wait_until_replica_matches(url: str, replica: Path, timeout_s: float = 45.0) -> None:
     """Polls until the replica equals upstream; on timeout fails with the differences."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    problems: list[str] = []
+
+    async def matches() -> bool:
+        nonlocal problems
         problems = await compare_with_upstream(url, replica)
-        if not problems:
-            return
-        if time.monotonic() >= deadline:
-            raise AssertionError(
-                f"{len(problems)} differences after {timeout_s} s:\n" + "\n".join(problems[:20])
-            )
-        await asyncio.sleep(0.2)
+        return not problems
+
+    try:
+        await waiting.eventually(matches, "the replica to match upstream", timeout_s, poll_s=0.2)
+    except AssertionError:
+        raise AssertionError(
+            f"{len(problems)} differences after {timeout_s} s:\n" + "\n".join(problems[:20])
+        ) from None
 
 
 def stored_xids(change_db: Path) -> list[int]:
