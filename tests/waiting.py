@@ -12,13 +12,14 @@ POLL_S = 0.01
 
 async def eventually(
     check: Callable[[], Any | Awaitable[Any]],
-    what: str,
+    what: str | Callable[[], str],
     timeout_s: float = 10.0,
     *,
     poll_s: float = POLL_S,
 ) -> Any:
     """Polls ``check()`` (sync or async) until it returns something truthy, and
-    returns that; fails naming ``what`` after ``timeout_s``."""
+    returns that; fails naming ``what`` after ``timeout_s`` (a callable ``what``
+    is asked then: what the last check saw, a child's output)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
@@ -27,7 +28,7 @@ async def eventually(
             value = await value
         if value:
             return value
-        assert loop.time() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        assert loop.time() < deadline, f"timed out after {timeout_s} s waiting for {_named(what)}"
         await asyncio.sleep(poll_s)
 
 
@@ -56,7 +57,7 @@ async def stays(
 
 def eventually_blocking(
     check: Callable[[], Any],
-    what: str,
+    what: str | Callable[[], str],
     timeout_s: float = 10.0,
     *,
     poll_s: float = POLL_S,
@@ -68,5 +69,11 @@ def eventually_blocking(
         value = check()
         if value:
             return value
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        assert time.monotonic() < deadline, (
+            f"timed out after {timeout_s} s waiting for {_named(what)}"
+        )
         time.sleep(poll_s)
+
+
+def _named(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()

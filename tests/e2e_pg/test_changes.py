@@ -8,8 +8,6 @@ transaction framing (multi-row, rolled back, 100,000 rows) and the slot's
 
 from __future__ import annotations
 
-import contextlib
-
 import psycopg
 
 from app.protocol.lexi import lsn_to_watermark
@@ -260,7 +258,11 @@ async def test_slot_confirmed_flush_lsn_advances_once_changes_are_stored(
         confirmed = lsn_to_watermark(rows[0][0])
         return confirmed >= watermark
 
-    with contextlib.suppress(AssertionError):  # the asserts below say where it is
-        await eventually(advanced, "confirmed_flush_lsn to advance", WAIT_S, poll_s=0.05)
+    await eventually(
+        advanced,
+        lambda: f"confirmed_flush_lsn at {confirmed} to reach {watermark}",
+        WAIT_S,
+        poll_s=0.05,
+    )
     assert confirmed is not None
     assert confirmed >= watermark

@@ -203,10 +203,10 @@ async def test_nothing_holds_a_large_change_once_it_is_stored_and_consumed(
                 held = [type(o).__name__ for o in gc.get_objects() if _marked(o)]
                 return not held
 
-            # ~1 s: the last acks and the sender's grace run out (on a timeout,
-            # the assert below names what is still held).
-            with contextlib.suppress(AssertionError):
-                await eventually(released, "the change's pieces to be released", 1, poll_s=0.05)
+            # ~1 s: the last acks and the sender's grace run out. (The message is
+            # built within this iteration of the loop, when the wait fails.)
+            still = lambda: f"no stage to hold the change (held: {held})"  # noqa: B023, E731
+            await eventually(released, still, 1, poll_s=0.05)
             assert held == []
 
 

@@ -44,12 +44,9 @@ def wait_for(
         lines = events.read_text().splitlines() if events.exists() else []
         return lines if predicate(lines) else None
 
-    try:
-        found: list[str] = eventually_blocking(
-            holding, "the child's events", timeout_s, poll_s=0.05
-        )
-    except AssertionError:
-        raise AssertionError(f"timed out; events so far: {lines[-5:]}") from None
+    found: list[str] = eventually_blocking(
+        holding, lambda: f"the child's events; so far: {lines[-5:]}", timeout_s, poll_s=0.05
+    )
     return found
 
 
