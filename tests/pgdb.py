@@ -9,30 +9,30 @@ teardown first ends and drops every slot of that database (whatever its name).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+from tests.waiting import eventually
+
 __all__ = ["drop_database", "scratch_database"]
 
-DROP_ATTEMPTS = 50
+DROP_TIMEOUT_S = 5.0
 DROP_RETRY_S = 0.1
 
 
 async def drop_database(pg_url: str, name: str) -> None:
     admin = make_conninfo(pg_url, dbname="postgres")
     async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as c:
-        for _ in range(DROP_ATTEMPTS):
+
+        async def slots_gone() -> bool:
             cur = await c.execute(
                 "SELECT slot_name, active_pid FROM pg_replication_slots WHERE database = %s",
                 (name,),
             )
             slots = await cur.fetchall()
-            if not slots:
-                break
             for slot, pid in slots:
                 if pid is not None:
                     await c.execute("SELECT pg_terminate_backend(%s)", (pid,))
@@ -40,9 +40,14 @@ async def drop_database(pg_url: str, name: str) -> None:
                     psycopg.errors.ObjectInUse, psycopg.errors.UndefinedObject
                 ):
                     await c.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-            await asyncio.sleep(DROP_RETRY_S)
-        else:
-            raise RuntimeError(f"could not drop the replication slots of database {name}")
+            return not slots
+
+        await eventually(
+            slots_gone,
+            f"the replication slots of database {name} to be dropped",
+            DROP_TIMEOUT_S,
+            poll_s=DROP_RETRY_S,
+        )
         await c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
 
 

@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from app import speedups
 from app.config import SettingsError, load_settings
 from app.runtime.gc_tuning import YOUNG_THRESHOLD
+from tests.waiting import eventually_blocking
 
 CLI = [sys.executable, "-m", "app.cli"]
 REPO = Path(__file__).resolve().parents[1]
@@ -125,16 +125,17 @@ def test_serve_answers_health_probes(tmp_path: Path) -> None:
         stderr=log,
     )
     try:
-        deadline = time.monotonic() + 30
-        while True:
+
+        def answers() -> bool:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as r:
                     assert (r.status, r.read()) == (200, b"OK")
-                break
+                return True
             except OSError:
                 assert proc.poll() is None, f"serve exited with {proc.returncode}"
-                assert time.monotonic() < deadline, "serve did not answer within 30 s"
-                time.sleep(0.1)
+                return False
+
+        eventually_blocking(answers, "serve to answer on /", 30, poll_s=0.1)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/keepalive", timeout=2) as r:
             assert (r.status, r.read()) == (200, b"OK")
         # serve tunes the garbage collector once built (open statz: development mode).

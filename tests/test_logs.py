@@ -13,7 +13,6 @@ import re
 import signal
 import socket
 import sys
-import time
 import urllib.request
 from asyncio.subprocess import Process
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -38,6 +37,7 @@ from app.protocol.canonical_json import dumps
 from app.streamer.downstream import Downstream
 from tests.replica.conftest import new_replica
 from tests.server.conftest import Server, start_server
+from tests.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "app.cli"]
@@ -398,11 +398,13 @@ def _env(**settings: str) -> dict[str, str]:
 
 
 async def _until(condition: Callable[[], bool], what: str, proc: Process) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not condition():
+    def holds() -> bool:
+        if condition():
+            return True
         assert proc.returncode is None, f"exited with {proc.returncode} before {what}"
-        assert time.monotonic() < deadline, f"no {what} in {START_TIMEOUT_S} s"
-        await asyncio.sleep(POLL_S)
+        return False
+
+    await eventually(holds, what, START_TIMEOUT_S, poll_s=POLL_S)
 
 
 @contextlib.asynccontextmanager

@@ -74,9 +74,10 @@ async def test_the_periodic_trim_runs_until_cancelled() -> None:
     import asyncio
 
     from app.runtime.memory import trim_periodically
+    from tests.waiting import stays
 
     task = asyncio.create_task(trim_periodically(0.01))
-    await asyncio.sleep(0.1)
+    await stays(lambda: not task.done(), 0.1, "the periodic trim running")
     assert not task.done()  # glibc has malloc_trim: the loop goes on
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -43,7 +43,7 @@ CHILD = textwrap.dedent(
                 n += 1
                 if log_lines and n % 5 == 0:
                     logging.getLogger("demo").info("other work goes on %d", n // 5)
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # the job's work, paced: the child's point
 
     asyncio.run(main())
     """

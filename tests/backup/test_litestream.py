@@ -194,7 +194,9 @@ def _children_running(needle: bytes) -> list[int]:
 
 def _stop_litestream_mid_write(partial: Path, deadline_s: float = 60.0) -> int:
     """Waits (in a thread) for litestream's restore to have written some of
-    ``partial``, then stops it there with SIGSTOP; its PID."""
+    ``partial``, then stops it there with SIGSTOP; its PID. Polled this tightly
+    on purpose: another program, it tells us nothing, and a slower look could
+    only see it finished."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         pids = _children_running(b"\x00restore\x00")  # the argument, not a path holding it

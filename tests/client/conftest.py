@@ -10,7 +10,6 @@ pipe or a pseudo-terminal.
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import os
 import pty
@@ -29,6 +28,7 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from app.client import ChangeStreamerClient
 from tests.server.conftest import REPLICA_VERSION, Server, free_port, start_server
+from tests.waiting import eventually
 
 __all__ = [
     "REPLICA_VERSION",
@@ -112,11 +112,7 @@ def txn(w: str, n: int = 1, table: str = "issues") -> list[list[Any]]:
 
 async def wait_until(predicate: Callable[[], bool], what: str) -> None:
     """Polls ``predicate`` (every 10 ms, up to 10 s); fails with ``what`` otherwise."""
-    for _ in range(1000):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+    await eventually(predicate, what)
 
 
 @pytest.fixture

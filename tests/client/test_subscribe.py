@@ -26,6 +26,7 @@ from app.client.subscription import SubscriptionMessage
 from app.protocol.errors import ErrorType
 from app.protocol.messages import Begin, Commit, Data
 from app.protocol.subscription_messages import DownstreamStatus
+from tests.waiting import stays
 
 from .conftest import (
     REPLICA_VERSION,
@@ -94,7 +95,9 @@ async def test_a_message_is_acked_only_when_the_caller_asks_for_the_next(
         assert isinstance(got[-1], Commit)
         await asyncio.wait_for(server.service.storer.wait_durable("02"), TIMEOUT)
         # The commit was received but the caller has not asked past it yet.
-        await asyncio.sleep(0.3)
+        await stays(
+            lambda: server.service.forwarder.acks() == [REPLICA_VERSION], 0.3, "no ack of 02 yet"
+        )
         assert server.service.forwarder.acks() == [REPLICA_VERSION]
         # Asking for the next message is what acks the commit.
         stream.push_all(txn("03"))
@@ -185,7 +188,8 @@ async def test_close_from_another_task_ends_a_waiting_iteration(
     sub = await client.subscribe(ctx())
     await next_of(sub)
     waiting = asyncio.create_task(next_of(sub))
-    await asyncio.sleep(0.05)
+    # Long enough for it to reach its wait, and seen to be still waiting.
+    await stays(lambda: not waiting.done(), 0.05, "the iteration waiting")
     await sub.close()
     with pytest.raises(StopAsyncIteration):
         await waiting
@@ -231,7 +235,7 @@ async def test_silence_beyond_the_liveness_timeout_terminates_the_connection() -
 async def _pings_then_status(ws: ServerConnection, stub: StubServer) -> None:
     for _ in range(24):  # 1.2 s of pings only: three liveness periods
         await ws.ping()
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # a peer that pings and says nothing: the point
     await ws.send('{"id":1,"msg":["status",{"tag":"status"}]}')
     await ws.wait_closed()
 

@@ -27,6 +27,7 @@ from app.protocol.canonical_json import dumps, loads
 from app.protocol.errors import ErrorType
 from app.protocol.messages import Begin, Commit, Data
 from app.protocol.subscription_messages import DownstreamStatus
+from tests.waiting import stays
 
 from .conftest import (
     REPLICA_VERSION,
@@ -144,7 +145,9 @@ async def test_frames_are_acked_only_after_their_messages_were_consumed(
         assert isinstance(got[-1], Commit)
         await asyncio.wait_for(server.service.storer.wait_durable("02"), TIMEOUT)
         # The commit was received but the caller has not asked past it yet.
-        await asyncio.sleep(0.3)
+        await stays(
+            lambda: server.service.forwarder.acks() == [REPLICA_VERSION], 0.3, "no ack of 02 yet"
+        )
         assert server.service.forwarder.acks() == [REPLICA_VERSION]
         # Asking for the next message acks the frame that held the commit.
         stream.push_all(txn("03"))

@@ -38,6 +38,7 @@ from app.storage import ChangeDb, Replication, migrate
 from app.streamer.downstream import Downstream
 from app.streamer.service import SubscriberContext
 from tests.pgdb import scratch_database
+from tests.waiting import eventually
 
 APP_ID = "hpe"
 WAIT_S = 15.0
@@ -117,12 +118,15 @@ class Upstream:
 
     async def wait_replica(self, watermark: str, *, within_s: float = WAIT_S) -> None:
         """Until the replica follower has applied the commit at ``watermark``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within_s
-        while (at := self.replica_watermark()) < watermark:
-            if loop.time() > deadline:
-                raise StreamTimeout(f"replica at {at}, wanted {watermark}")
-            await asyncio.sleep(POLL_S)
+        try:
+            await eventually(
+                lambda: self.replica_watermark() >= watermark,
+                lambda: f"the replica at {self.replica_watermark()} to reach {watermark}",
+                within_s,
+                poll_s=POLL_S,
+            )
+        except AssertionError as e:
+            raise StreamTimeout(str(e)) from None
 
     def replica_watermark(self) -> str:
         rows = self.replica_query('SELECT "stateVersion" FROM "_zero.replicationState"')

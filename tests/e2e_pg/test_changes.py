@@ -8,12 +8,11 @@ transaction framing (multi-row, rolled back, 100,000 rows) and the slot's
 
 from __future__ import annotations
 
-import asyncio
-
 import psycopg
 
 from app.protocol.lexi import lsn_to_watermark
 from tests.e2e_pg.conftest import WAIT_S, StartUpstream, commit_watermark, data
+from tests.waiting import eventually
 
 ITEMS = "CREATE TABLE items (id int4 PRIMARY KEY, name text, n int8)"
 
@@ -249,16 +248,21 @@ async def test_slot_confirmed_flush_lsn_advances_once_changes_are_stored(
     watermark = commit_watermark(tx)
     slot = env.runtime.slot
     confirmed: str | None = None
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S
-    while loop.time() < deadline:
+
+    async def advanced() -> bool:
+        nonlocal confirmed
         rows = await env.query(
             f"SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = '{slot}'"
         )
         assert len(rows) == 1
         confirmed = lsn_to_watermark(rows[0][0])
-        if confirmed >= watermark:
-            break
-        await asyncio.sleep(0.05)
+        return confirmed >= watermark
+
+    await eventually(
+        advanced,
+        lambda: f"confirmed_flush_lsn at {confirmed} to reach {watermark}",
+        WAIT_S,
+        poll_s=0.05,
+    )
     assert confirmed is not None
     assert confirmed >= watermark

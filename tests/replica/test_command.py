@@ -16,6 +16,7 @@ import pytest
 from app.backup.config import LitestreamOptions, find_executable
 from app.backup.process import LitestreamRunner
 from tests.server.conftest import REPLICA_VERSION, Server, start_server
+from tests.waiting import eventually
 
 from .conftest import create_index, create_table, insert, new_replica
 from .test_runner import tx
@@ -45,11 +46,10 @@ async def replicate(*args: str, cwd: Path) -> asyncio.subprocess.Process:
 
 
 async def until_state_version(replica: Path, version: str) -> None:
-    for _ in range(400):  # up to 20 s
-        if replica.exists() and await state_version(replica) == version:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{replica} did not reach {version}")
+    async def reached() -> bool:
+        return replica.exists() and await state_version(replica) == version
+
+    await eventually(reached, f"{replica} to reach {version}", 20, poll_s=0.05)
 
 
 def foo_rows(replica: Path) -> list[tuple[object, ...]]:
@@ -101,12 +101,12 @@ async def backup(tmp_path: Path, unused_tcp_port: int) -> str:
     runner = LitestreamRunner(options)
     running = asyncio.create_task(runner.run())
     try:
-        for _ in range(600):  # up to 30 s
-            if list((tmp_path / "backup").rglob("*.ltx")):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("litestream uploaded nothing")
+        await eventually(
+            lambda: list((tmp_path / "backup").rglob("*.ltx")),
+            "litestream to upload something",
+            30,
+            poll_s=0.05,
+        )
     finally:
         await runner.stop()
         await asyncio.wait_for(running, TIMEOUT_S)

@@ -29,6 +29,7 @@ from app.runtime.replica_follower import ReplicaFollower, parse_line
 from app.storage import ChangeDb, ChangeLog, ChangeRow, StoredRow
 from tests.change_dbs import migrated
 from tests.storage.conftest import drop_schema, make_db
+from tests.waiting import eventually
 
 from .conftest import create_index, create_table, insert, rows
 
@@ -124,11 +125,7 @@ def _stored(change_rows: list[ChangeRow]) -> list[StoredRow]:
 
 
 async def _eventually(check: Any, what: str, timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+    await eventually(check, what, timeout_s, poll_s=0.02)
 
 
 async def test_the_child_applies_each_commit_it_is_told_of_and_stops_with_the_service(

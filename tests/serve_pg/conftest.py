@@ -23,7 +23,6 @@ import signal
 import socket
 import sqlite3
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -120,38 +119,48 @@ class Serve:
 
     async def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Until ``/ready`` answers 200; fails at once if the process exits."""
-        deadline = time.monotonic() + timeout_s
         url = f"http://127.0.0.1:{self.port}/ready"
-        while True:
+
+        async def ready() -> bool:
             assert self.proc is not None
             code = self.proc.poll()
             assert code is None, f"serve exited with {code} before ready:\n{self._tail()}"
-            if await asyncio.to_thread(_http_status, url) == 200:
-                return
-            assert time.monotonic() < deadline, f"serve not ready in {timeout_s} s:\n{self._tail()}"
-            await asyncio.sleep(POLL_S * 4)
+            return await asyncio.to_thread(_http_status, url) == 200
+
+        await waiting.eventually(
+            ready, lambda: f"serve to be ready:\n{self._tail()}", timeout_s, poll_s=POLL_S * 4
+        )
 
     async def wait_exit(self, timeout_s: float = EXIT_TIMEOUT_S) -> int:
         """The exit code; fails (and kills it) if it is still running after ``timeout_s``."""
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        while (code := self.proc.poll()) is None:
-            if time.monotonic() >= deadline:
-                self.kill()
-                raise AssertionError(f"serve still running after {timeout_s} s:\n{self._tail()}")
-            await asyncio.sleep(POLL_S)
-        return code
+        proc = self.proc
+        assert proc is not None
+        try:
+            await waiting.eventually(
+                lambda: proc.poll() is not None,
+                lambda: f"serve to exit:\n{self._tail()}",
+                timeout_s,
+                poll_s=POLL_S,
+            )
+        except AssertionError:
+            self.kill()
+            raise
+        return proc.returncode
 
     async def wait_output(self, pattern: str, timeout_s: float = READY_TIMEOUT_S) -> str:
         """The first output line matching ``pattern`` (a regex), waiting for it."""
-        deadline = time.monotonic() + timeout_s
         regex = re.compile(pattern)
-        while True:
-            for line in self.output().splitlines():
-                if regex.search(line):
-                    return line
-            assert time.monotonic() < deadline, f"no line matching {pattern!r}:\n{self._tail()}"
-            await asyncio.sleep(POLL_S * 2)
+
+        def matching() -> str | None:
+            return next((line for line in self.output().splitlines() if regex.search(line)), None)
+
+        line: str = await waiting.eventually(
+            matching,
+            lambda: f"a line matching {pattern!r}:\n{self._tail()}",
+            timeout_s,
+            poll_s=POLL_S * 2,
+        )
+        return line
 
     def kill(self) -> None:
         """SIGKILL, by PID: what a crash or an OOM kill does."""
@@ -375,7 +384,8 @@ class Writer:
                 if self.stop.is_set():
                     return
                 await self._one(conn, seq)
-                # Paced: the point is many commits across kills, not load on 2 cores.
+                # Paced, not a wait: the point is many commits across kills, not
+                # load on 2 cores.
                 await asyncio.sleep(0.004)
 
     async def _one(self, conn: psycopg.AsyncConnection[Any], seq: int) -> None:
@@ -456,16 +466,22 @@ async def compare_with_upstream(url: str, replica: Path) -> list[str]:
 
 async def wait_until_replica_matches(url: str, replica: Path, timeout_s: float = 45.0) -> None:
     """Polls until the replica equals upstream; on timeout fails with the differences."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    problems: list[str] = []
+
+    async def matches() -> bool:
+        nonlocal problems
         problems = await compare_with_upstream(url, replica)
-        if not problems:
-            return
-        if time.monotonic() >= deadline:
-            raise AssertionError(
-                f"{len(problems)} differences after {timeout_s} s:\n" + "\n".join(problems[:20])
-            )
-        await asyncio.sleep(0.2)
+        return not problems
+
+    await waiting.eventually(
+        matches,
+        lambda: (
+            f"the replica to match upstream; {len(problems)} differences:\n"
+            + "\n".join(problems[:20])
+        ),
+        timeout_s,
+        poll_s=0.2,
+    )
 
 
 def stored_xids(change_db: Path) -> list[int]:

@@ -31,6 +31,7 @@ from tests.serve_pg.conftest import (
     replica_versions,
     wait_until_replica_matches,
 )
+from tests.waiting import stays
 
 TASK = "view-syncer-7"
 
@@ -101,7 +102,8 @@ async def test_ready_waits_for_a_backup_that_covers_the_replica(
         return code == 503 and "waiting for a backup" in body.get("reason", "")
 
     await eventually(not_ready_for_the_backup, "/ready to wait for the backup")
-    await asyncio.sleep(2)  # litestream retries meanwhile; still nothing to read back
+    # Litestream retries meanwhile; still nothing to read back.
+    await stays(not_ready_for_the_backup, 2, "/ready waiting for the backup", poll_s=0.2)
     code, body = ready_status(serve)
     assert code == 503, body
     _, state_version = replica_versions(serve.replica_file)

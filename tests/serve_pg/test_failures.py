@@ -27,6 +27,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from tests import waiting
 from tests.serve_pg.conftest import (
     Serve,
     ServeFactory,
@@ -225,13 +226,14 @@ async def _other_walsender(upstream: str, old_pid: int) -> bool:
     return bool(slots) and slots[0][2] not in (None, old_pid)
 
 
-async def drop_active_slot(upstream: str, slot: str, attempts: int = 200) -> None:
+async def drop_active_slot(upstream: str, slot: str, timeout_s: float = 10.0) -> None:
     """Ends the walsender and drops the slot, racing the service's reconnects.
 
     pg_drop_replication_slot holds the slot while it drops it, so the service's
     takeover of the slot (which ends whatever backend holds it) may end ours:
     then reconnect and try again."""
-    for _ in range(attempts):
+
+    async def dropped() -> bool:
         async with await psycopg.AsyncConnection.connect(upstream, autocommit=True) as conn:
             try:
                 await conn.execute(
@@ -240,10 +242,11 @@ async def drop_active_slot(upstream: str, slot: str, attempts: int = 200) -> Non
                     (slot,),
                 )
                 await conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-                return
+                return True
             except (psycopg.errors.ObjectInUse, psycopg.errors.AdminShutdown):
-                await asyncio.sleep(0.01)
-    raise AssertionError(f"could not drop slot {slot} in {attempts} attempts")
+                return False
+
+    await waiting.eventually(dropped, f"slot {slot} dropped", timeout_s)
 
 
 async def test_slot_dropped_while_running_without_auto_reset_exits_with_an_error(

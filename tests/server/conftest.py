@@ -25,6 +25,7 @@ from app.storage import (
 from app.streamer.service import ChangeStreamerService, StreamerOptions
 from tests.change_dbs import migrated
 from tests.memory_source import MemoryChangeSource
+from tests.waiting import eventually
 
 REPLICA_VERSION = "01"
 
@@ -95,11 +96,7 @@ async def start_server(
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
-    for _ in range(2000):  # up to 20 s
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    assert server.started, "uvicorn did not start"
+    await eventually(lambda: server.started, "uvicorn to start", 20)
     try:
         yield Server(f"ws://127.0.0.1:{port}", source, service, server)
     finally:

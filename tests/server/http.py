@@ -15,6 +15,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from tests.waiting import eventually
+
 from .conftest import free_port
 
 # No proxies: the tests talk to 127.0.0.1 only.
@@ -29,10 +31,7 @@ async def serve(app: FastAPI, **options: Any) -> AsyncIterator[str]:
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **options)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
-    for _ in range(2000):  # up to 20 s
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: server.started or task.done(), "uvicorn to start", 20)
     assert server.started, "uvicorn did not start"
     try:
         yield f"http://127.0.0.1:{port}"

@@ -3,15 +3,15 @@ transactions the metrics tests push through a memory source."""
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from tests import waiting
 
 from .http import http_get
 
@@ -76,13 +76,13 @@ async def eventually(
     url: str, condition: Callable[[Scrape], bool], what: str, timeout_s: float = 10
 ) -> Scrape:
     """Scrapes until ``condition`` holds for a scrape (bounded); returns that scrape."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    async def holding() -> tuple[Scrape] | None:
         families = await scrape(url)
-        if condition(families):
-            return families
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
+        return (families,) if condition(families) else None
+
+    found: tuple[Scrape] = await waiting.eventually(holding, what, timeout_s, poll_s=0.02)
+    return found[0]
 
 
 def txn(w: str, n: int, *, commit_ms: float | None = None, pad: int = 0) -> list[list[Any]]:

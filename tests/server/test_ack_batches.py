@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import pytest
 from websockets.frames import Frame, Opcode
 
+from ..waiting import eventually
 from .conftest import REPLICA_VERSION, Server
 from .test_replication_ws import txn
 
@@ -66,10 +67,9 @@ async def client(server: Server) -> AsyncIterator[RawClient]:
 
 
 async def acked(server: Server, watermark: str) -> list[str]:
-    for _ in range(250):
-        if server.service.forwarder.acks() == [watermark]:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(
+        lambda: server.service.forwarder.acks() == [watermark], f"the ack of {watermark}", 5
+    )
     return server.service.forwarder.acks()
 
 

@@ -100,10 +100,7 @@ async def second_while_first_runs(
     the same) once ``busy()``; the second reply and the first one's."""
     async with serve(app) as url:
         first = asyncio.create_task(get(url + path, ADMIN))
-        for _ in range(1000):  # until the first capture has started
-            if busy() or first.done():
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: busy() or first.done(), "the first capture to start")
         assert busy()
         second = await get(url + (second_path or path), password)
         done = await first
@@ -602,7 +599,7 @@ async def test_heapz_window_shows_what_was_allocated_during_it_and_is_still_held
     held: list[bytes] = []
 
     async def allocate() -> None:
-        await asyncio.sleep(0.3)  # inside the window
+        await eventually(tracemalloc.is_tracing, "the tracing window to open")
         held.extend(bytes(1000) + bytes([i % 256]) for i in range(2000))  # ~2 MB here
 
     async with serve(admin_app(PRODUCTION)) as url:

@@ -6,12 +6,13 @@ and the clock moves by multiples of its inverse: no rounding)."""
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
 from app.server.admission import HandshakeAdmission
+from tests.waiting import eventually, stays
 
 RATE = 1024.0  # tokens a second: the timer re-checks about every millisecond
 
@@ -36,12 +37,8 @@ class Waiter:
         self.order.append(self.name)
 
 
-async def until(check: object, timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert loop.time() < deadline, "condition not met"
-        await asyncio.sleep(0.005)
+async def until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    await eventually(check, "the admissions", timeout_s, poll_s=0.005)
 
 
 async def test_a_burst_goes_at_once_then_one_per_token_in_arrival_order() -> None:
@@ -73,7 +70,7 @@ async def test_a_waiter_that_left_is_skipped_and_costs_no_token() -> None:
     gone.waiting = False  # closed, or timed out, while it waited
     clock.now += 1 / RATE  # one token
     await until(lambda: len(order) == 2)
-    await asyncio.sleep(0.01)
+    await stays(lambda: order == ["first", "third"], 0.01, "no third admission")
     assert order == ["first", "third"]
     assert fourth.waiting
 

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 from app.server.app import create_app
+from tests.waiting import eventually
 
 from .conftest import REPLICA_VERSION, new_service
 from .http import http_get, serve
@@ -42,10 +43,11 @@ async def test_the_stream_waits_for_the_startup_delay_without_subscribers(tmp_pa
         assert (await http_get(url + "/ready")).status == 503
         assert source.start_calls == []
         await asyncio.wait_for(source.wait_for_stream(), 10)  # after the delay
-        for _ in range(100):
-            if (await http_get(url + "/ready")).status == 200:
-                break
-            await asyncio.sleep(0.05)
+
+        async def ready() -> bool:
+            return (await http_get(url + "/ready")).status == 200
+
+        await eventually(ready, "/ready to answer 200", 5, poll_s=0.05)
         assert (await http_get(url + "/ready")).status == 200
 
 

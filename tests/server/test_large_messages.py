@@ -18,6 +18,7 @@ from app.protocol.canonical_json import JsonPieces, dumps, json_string_piece, lo
 from app.protocol.messages import Data
 from app.protocol.pieces import PIECE_CHARS, Pieces, join_text
 
+from ..waiting import eventually
 from .conftest import REPLICA_VERSION, Server, start_server
 
 QUERY = f"replicaVersion={REPLICA_VERSION}&watermark={REPLICA_VERSION}"
@@ -195,12 +196,17 @@ async def test_nothing_holds_a_large_change_once_it_is_stored_and_consumed(
             await read_messages(ws, 4)
             await asyncio.wait_for(server.service.storer.wait_durable("02"), 30)
             held: list[str] = ["?"]
-            for _ in range(20):  # the last acks and the sender's grace run out
+
+            def released() -> bool:
+                nonlocal held
                 gc.collect()
                 held = [type(o).__name__ for o in gc.get_objects() if _marked(o)]
-                if not held:
-                    break
-                await asyncio.sleep(0.05)
+                return not held
+
+            # ~1 s: the last acks and the sender's grace run out. (The message is
+            # built within this iteration of the loop, when the wait fails.)
+            still = lambda: f"no stage to hold the change (held: {held})"  # noqa: B023, E731
+            await eventually(released, still, 1, poll_s=0.05)
             assert held == []
 
 

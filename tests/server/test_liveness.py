@@ -15,6 +15,7 @@ from app.protocol.lexi import to_lexi
 from app.server.app import create_app
 from app.server.ws_protocol import LivenessProtocol
 
+from ..waiting import eventually
 from .conftest import free_port, new_service
 from .test_replication_ws import QUERY, txn
 
@@ -75,16 +76,14 @@ async def test_acks_count_as_liveness_and_silence_does_not(tmp_path: Path) -> No
         )
     )
     serving = asyncio.create_task(server.serve())
-    for _ in range(2000):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: server.started, "uvicorn to start", 20)
     try:
         stream = await asyncio.wait_for(source.wait_for_stream(), 10)
 
         async def produce() -> None:
             for n in range(2, 32):  # a transaction every 100 ms for 3 s
                 stream.push_all(txn(to_lexi(n)))
+                # Paced, not a wait: acks must keep coming past the ping timeout.
                 await asyncio.sleep(0.1)
 
         path = f"/replication/v6/changes?{QUERY}"

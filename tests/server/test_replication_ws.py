@@ -13,6 +13,7 @@ from websockets.exceptions import ConnectionClosed
 
 from app.protocol.canonical_json import loads
 
+from ..waiting import eventually, stays
 from .conftest import REPLICA_VERSION, Server, start_server
 
 QUERY = f"id=serving-replicator-1&replicaVersion={REPLICA_VERSION}&watermark={REPLICA_VERSION}"
@@ -39,10 +40,9 @@ def txn(w: str, n: int = 1) -> list[list[Any]]:
 
 async def until_acked(server: Server, watermark: str) -> None:
     """Until the service's only subscriber has acked ``watermark`` (fails after 2 s)."""
-    for _ in range(100):
-        if server.service.forwarder.acks() == [watermark]:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(
+        lambda: server.service.forwarder.acks() == [watermark], f"the ack of {watermark}", 2
+    )
     assert server.service.forwarder.acks() == [watermark]
 
 
@@ -247,7 +247,7 @@ async def test_a_backup_subscription_does_not_end_the_startup_delay(server: Serv
     url = f"{server.url}/replication/v6/changes?{QUERY}&mode=backup"
     async with connect(url) as ws:
         assert (await recv(ws))["msg"][0] == "status"
-        await asyncio.sleep(0.2)
+        await stays(lambda: server.source.start_calls == [], 0.2, "no upstream stream started")
         assert server.source.start_calls == []
     async with connect(f"{server.url}/replication/v6/changes?{QUERY}") as ws:
         await recv(ws)

@@ -226,6 +226,7 @@ async def test_200_subscribers_churning_do_not_disturb_a_steady_one(server: Serv
         async def produce() -> None:
             for n in range(2, 42):
                 stream.push_all(txn(to_lexi(n), 3))
+                # Paced, not a wait: the commits must spread across the churn.
                 await asyncio.sleep(0.005)
 
         producer = asyncio.create_task(produce())

@@ -452,6 +452,7 @@ async def test_a_peer_that_stops_answering_pings_fails_the_stream() -> None:
 async def test_pongs_keep_a_quiet_connection_alive() -> None:
     async def quiet_then_send(ws: ServerConnection) -> None:
         # Many ping intervals without a message: only the pongs show the peer is alive.
+        # The silence is the behaviour under test.
         await asyncio.sleep(0.3)
         await send_then_close(ws)
 

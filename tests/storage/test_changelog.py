@@ -17,6 +17,7 @@ from app.storage import (
     StoredRow,
     SubscriptionState,
 )
+from tests.waiting import stays
 
 OWNER = "task-a"
 
@@ -215,8 +216,8 @@ async def test_takeover_waits_for_the_open_write_and_is_seen_by_the_next(log: Ch
         await w.append(tx("02", insert(1)))
         w.set_last_watermark("02")
         takeover = asyncio.create_task(replication.assume_ownership("task-b", "b:4849"))
-        await asyncio.sleep(0.3)
         # The open write holds the ownership lock, so the takeover cannot land yet.
+        await stays(lambda: not takeover.done(), 0.3, "the takeover held back")
         assert not takeover.done()
     await asyncio.wait_for(takeover, 10)
     assert await log.max_watermark() == "02"

@@ -12,12 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 from app.protocol.codec import change_tag
 from app.protocol.lexi import from_lexi
 from app.storage import ChangeLog, Replication, Shard, create_change_db, parse_change_db_url
+from tests.waiting import eventually_blocking
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,14 +34,20 @@ def start_child(db: Path, events: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def wait_for(events: Path, predicate: object, timeout_s: float = 30) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while True:
+def wait_for(
+    events: Path, predicate: Callable[[list[str]], bool], timeout_s: float = 30
+) -> list[str]:
+    lines: list[str] = []
+
+    def holding() -> list[str] | None:
+        nonlocal lines
         lines = events.read_text().splitlines() if events.exists() else []
-        if predicate(lines):  # type: ignore[operator]
-            return lines
-        assert time.monotonic() < deadline, f"timed out; events so far: {lines[-5:]}"
-        time.sleep(0.05)
+        return lines if predicate(lines) else None
+
+    found: list[str] = eventually_blocking(
+        holding, lambda: f"the child's events; so far: {lines[-5:]}", timeout_s, poll_s=0.05
+    )
+    return found
 
 
 async def stored_transactions(db_path: Path) -> tuple[dict[str, list[tuple[int, str]]], str]:

@@ -97,6 +97,7 @@ class Upstream:
                     ]
                 )
         while len(self.committed) < TRANSACTIONS:
+            # Jitter, not a wait: random pauses are how the interleavings vary.
             await asyncio.sleep(self.rng.choice([0, 0, 0, 0.001, 0.005]))
             if stream.closed:
                 return
@@ -150,6 +151,7 @@ class Client:
                     budget -= 1
                     msg = loads(whole(await asyncio.wait_for(ds.get(), 0.5)))
                     if self.slow:
+                        # A slow reader is the point (jittered to vary interleavings).
                         await asyncio.sleep(self.rng.choice([0, 0.001, 0.003]))
                     kind = msg[0]
                     if kind == "error":

@@ -38,7 +38,7 @@ from app.streamer.timers import ManualTimers
 from app.versions import PROBE_REPLICA_VERSION
 from tests.change_dbs import migrated
 from tests.memory_source import MemoryChangeSource, MemoryChangeStream
-from tests.waiting import eventually
+from tests.waiting import eventually, stays
 
 from .conftest import OWNER, REPLICA_VERSION
 from .helpers import collect, whole
@@ -298,7 +298,7 @@ async def test_a_broken_stream_mid_transaction_sends_one_rollback_and_resends_th
         "data",
         "commit",
     ]
-    await asyncio.sleep(0.05)  # a window in which nothing may happen
+    await stays(lambda: ds.get_nowait() is None, 0.05, "no message after the resent commit")
     assert ds.get_nowait() is None  # exactly one synthetic rollback
     await svc.durable("02")
     assert {w for w, _ in await svc.stored()} == {"01", "02"}
@@ -529,7 +529,10 @@ async def test_cleanup_purges_to_the_slowest_subscriber_after_30_s(svc: Service)
     slow = svc.subscribe("03", id="slow")  # stays at 03: it never acks anything new
     assert loads(whole(await asyncio.wait_for(slow.get(), 10)))[0] == "status"
     slow.ack_next()  # (a subscriber that acks nothing at all is dropped after 10 s)
-    await asyncio.sleep(0.05)
+    await eventually(
+        lambda: ("slow", "03") in svc.service.forwarder.named_acks(),
+        "the slow subscriber to count for the purge floor",
+    )
     svc.service.backups.track("04")
     assert svc.timers.pending().count(30.0) == 1  # (the 1 s progress tick is armed too)
     svc.timers.advance(30)
@@ -648,7 +651,8 @@ async def test_a_storer_that_cannot_drain_stops_the_service(change_db: ChangeDb)
     await blocker.begin()
     try:
         stream.push_all(txn("03"))
-        await asyncio.sleep(0.1)
+        # 03 is taken in; the failure comes after it (as the stream orders them).
+        await eventually(lambda: stream.queued == 0, "the service to read 03")
         stream.fail(ConnectionError("upstream died"))
         with pytest.raises(AbortError, match="did not drain within 300ms"):
             await asyncio.wait_for(s.run, 20)
@@ -788,6 +792,7 @@ async def test_the_loop_lag_monitor_keeps_the_worst_of_its_window() -> None:
 
 
 def hold_the_loop(seconds: float) -> None:
+    # The stall is the behaviour under test: the loop blocked, as by a big copy.
     time.sleep(seconds)
 
 

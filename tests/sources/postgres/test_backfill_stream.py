@@ -26,6 +26,7 @@ from app.sources.postgres.backfill_stream import (
 )
 from app.sources.postgres.source import PostgresChangeSource, PostgresSourceOptions
 from app.sources.postgres.values import TypeRegistry, load_type_registry
+from tests.waiting import eventually
 
 WAIT_S = 20.0
 POLL_S = 0.05
@@ -138,12 +139,12 @@ def backfilled_rows(bodies: list[dict[str, Any]]) -> list[list[Any]]:
 
 async def temp_slots_gone(url: str) -> None:
     """Until no temporary backfill slot is left (its session ends asynchronously)."""
-    async with asyncio.timeout(WAIT_S):
-        while True:
-            query = "SELECT slot_name FROM pg_replication_slots WHERE slot_name LIKE %s"
-            if not await rows(url, query, (TEMP_SLOTS,)):
-                return
-            await asyncio.sleep(POLL_S)
+    query = "SELECT slot_name FROM pg_replication_slots WHERE slot_name LIKE %s"
+
+    async def gone() -> bool:
+        return not await rows(url, query, (TEMP_SLOTS,))
+
+    await eventually(gone, "the temporary backfill slots to go", WAIT_S, poll_s=POLL_S)
 
 
 async def no_other_sessions(url: str) -> None:
@@ -152,11 +153,11 @@ async def no_other_sessions(url: str) -> None:
         "SELECT pid, state, query FROM pg_stat_activity WHERE datname = current_database() "
         "AND pid <> pg_backend_pid() AND backend_type IN ('client backend', 'walsender')"
     )
-    async with asyncio.timeout(WAIT_S):
-        while True:
-            if not await rows(url, query):
-                return
-            await asyncio.sleep(POLL_S)
+
+    async def alone() -> bool:
+        return not await rows(url, query)
+
+    await eventually(alone, "the other sessions to end", WAIT_S, poll_s=POLL_S)
 
 
 @pytest.fixture

@@ -46,6 +46,7 @@ from app.sources.postgres.pgoutput import (
     parse_lsn,
     standby_status_update,
 )
+from tests import waiting
 from tests.sources.postgres.tls_certs import make_certs
 
 MIN_CHUNK_BYTES = 64 << 10
@@ -332,10 +333,7 @@ async def slot_value(url: str, slot: str, column: str) -> object:
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
     """Until ``check()`` is true: Postgres changes its state on its own time."""
-    deadline = time.monotonic() + 10
-    while not await check():
-        assert time.monotonic() < deadline, f"not within 10 s: {what}"
-        await asyncio.sleep(0.02)
+    await waiting.eventually(check, what, 10, poll_s=0.02)
 
 
 @asynccontextmanager
@@ -344,15 +342,17 @@ async def streaming(up: Upstream) -> AsyncIterator[ReplicationConnection]:
     lets go of the slot a moment after its socket closed)."""
     conn = await ReplicationConnection.connect(up.url)
     try:
-        deadline = time.monotonic() + 10
-        while True:
+
+        async def started() -> bool:
             try:
                 await conn.start_replication(up.slot, 0, ["pub"])
-                break
+                return True
             except StartReplicationError as e:
-                if e.sqlstate != "55006" or time.monotonic() > deadline:
+                if e.sqlstate != "55006":  # only "the slot is active" waits
                     raise
-                await asyncio.sleep(0.02)
+                return False
+
+        await eventually(started, "the slot to be free for streaming")
         yield conn
     finally:
         await conn.close()

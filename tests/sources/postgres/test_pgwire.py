@@ -11,7 +11,6 @@ TLS) those tests are skipped, saying why.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import pwd
 import shutil
@@ -36,6 +35,7 @@ from app.sources.postgres.conninfo import (
 from app.sources.postgres.pgoutput import Insert, XLogData, decode_message, parse_copy_data
 from app.sources.postgres.pgwire import ScramSha256, Startup
 from tests.sources.postgres.tls_certs import make_certs
+from tests.waiting import eventually
 
 
 @pytest.fixture(autouse=True)
@@ -671,13 +671,15 @@ async def a_large_frame_in_pieces_over_tls(server: PrivateServer, name: str) -> 
 
 async def drop_slot_once_released(c: psycopg.AsyncConnection[object], slot: str) -> None:
     """The walsender ends a moment after our socket closes; then the slot can go."""
-    for _ in range(200):
+
+    async def dropped() -> bool:
         try:
             await c.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-            return
+            return True
         except psycopg.errors.ObjectInUse:
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"slot {slot} still in use 10 s after the connection closed")
+            return False
+
+    await eventually(dropped, f"slot {slot} released after the connection closed", 10, poll_s=0.05)
 
 
 async def first_large_frame(conn: ReplicationConnection, pieces_over: int) -> FramePieces:

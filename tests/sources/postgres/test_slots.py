@@ -6,7 +6,6 @@ app ID ``hpb_s<random>`` and its scratch database (conftest) is dropped with its
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,6 +30,7 @@ from app.sources.postgres.slots import (
 )
 from app.sources.postgres.stats import upstream_stats
 from app.stop_signals import AutoResetSignal
+from tests.waiting import eventually
 
 
 def test_slot_pool_suffixes_run_a_to_z_then_aa() -> None:
@@ -246,13 +246,16 @@ async def test_drop_slot_ends_the_backend_streaming_from_it(
             f"START_REPLICATION SLOT \"{slot.slot_name}\" LOGICAL 0/0 (proto_version '1', "
             f"publication_names '_{cfg.app_id}_public_0')".encode()
         )
-        for _ in range(200):
+        active: list[tuple[Any, ...]] = []
+
+        async def streaming() -> bool:
+            nonlocal active
             active = await rows(
                 conn, "SELECT active FROM pg_replication_slots WHERE slot_name = %s", slot.slot_name
             )
-            if active == [(True,)]:
-                break
-            await asyncio.sleep(0.01)
+            return active == [(True,)]
+
+        await eventually(streaming, "the slot to be active", 5)
         assert active == [(True,)]
 
         assert await drop_slot(db_url, slot.slot_name) is True

@@ -8,6 +8,7 @@ way the service reads it: ``async for`` over ``start_stream(...)``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,6 +28,7 @@ from app.sources.postgres.source import (
 )
 from app.stop_signals import AbortError
 from tests.sources.postgres.test_backfills import Reads, batch, metadata, request
+from tests.waiting import eventually
 
 DB = "cs_pgsource"
 SLOT = "cs_pgsource_slot"
@@ -66,16 +68,20 @@ async def upstream(pg_url: str) -> AsyncIterator[tuple[str, str]]:
             "WHERE slot_name = %s AND active_pid IS NOT NULL",
             (SLOT,),
         )
-        for _ in range(50):
+
+        async def dropped() -> bool:
             try:
                 await c.execute(
                     "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
                     "WHERE slot_name = %s",
                     (SLOT,),
                 )
-                break
+                return True
             except psycopg.errors.ObjectInUse:
-                await asyncio.sleep(0.1)
+                return False
+
+        with contextlib.suppress(AssertionError):  # as before: then DROP DATABASE ... FORCE
+            await eventually(dropped, "the slot to be dropped", 5, poll_s=0.1)
         await c.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
 
 
@@ -261,10 +267,11 @@ async def test_ack_moves_the_slot_and_restart_resumes_after_it(upstream: tuple[s
         before = await confirmed_flush(url)
         assert before < first.watermark
         stream.ack(["status", first.body, {"watermark": first.watermark}])
-        for _ in range(100):
-            if await confirmed_flush(url) >= first.watermark:
-                break
-            await asyncio.sleep(0.05)
+
+        async def moved() -> bool:
+            return await confirmed_flush(url) >= first.watermark
+
+        await eventually(moved, f"the slot to move to {first.watermark}", 5, poll_s=0.05)
         # The slot moved to the acked commit, not to the unacked second one.
         assert first.watermark <= await confirmed_flush(url) < second.watermark
     finally:
@@ -374,10 +381,11 @@ async def test_close_right_after_an_ack_ends_the_stream(upstream: tuple[str, str
         closing.cancel()
     assert closing in done, "close() did not return within 10 s"
     # The walsender is gone: the slot is free for the next stream.
-    for _ in range(100):
-        if not await slot_active(url):
-            break
-        await asyncio.sleep(0.05)
+
+    async def free() -> bool:
+        return not await slot_active(url)
+
+    await eventually(free, "the slot to be free", 5, poll_s=0.05)
     assert not await slot_active(url)
 
 
