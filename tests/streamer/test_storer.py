@@ -195,9 +195,10 @@ async def test_a_big_transaction_written_in_pieces_is_dropped_whole(
 ) -> None:
     """Ended by the upstream's rollback or cut off by the stream (abort)."""
     h = in_pieces
-    h.feed([begin("02"), *[insert("02", i) for i in range(200)]])
-    await settle()
-    await asyncio.sleep(0.2)  # its first pieces are written
+    big = [begin("02"), *[insert("02", i) for i in range(200)]]
+    h.feed(big)
+    fed = sum(len(text) for _, _, text, _ in big)
+    await eventually(lambda: h.storer.queued_bytes < fed, "its first pieces go to the log")
     if end == "rollback":
         h.feed([rollback("02")])
     else:
@@ -240,8 +241,10 @@ async def test_queued_bytes_count_what_waits_and_fall_to_zero(in_pieces: Harness
     assert h.storer.queued_bytes == sum(len(text) for _, _, text, _ in open_tx)
     h.feed([rollback("02")])  # never queued: its bytes are free at once
     assert h.storer.queued_bytes == 0
-    h.feed([begin("03"), *[insert("03", i) for i in range(200)]])  # in pieces
-    await asyncio.sleep(0.2)
+    big = [begin("03"), *[insert("03", i) for i in range(200)]]
+    h.feed(big)  # in pieces
+    fed = sum(len(text) for _, _, text, _ in big)
+    await eventually(lambda: h.storer.queued_bytes < fed, "its first pieces go to the log")
     h.feed([rollback("03"), *txn("04")])
     await h.until_durable("04")
     assert h.storer.queued_bytes == 0
@@ -321,7 +324,7 @@ async def test_catch_up_starts_at_once_between_transactions_and_covers_what_was_
 async def test_catch_up_waits_for_the_open_transaction_and_includes_it(harness: Harness) -> None:
     harness.feed([begin("02"), insert("02", 1)])
     _sub, ds = subscribe(harness, "01")
-    await asyncio.sleep(0.1)
+    await eventually(lambda: len(harness.storer.catchups.parked) == 1, "the catch-up is parked")
     assert drain(ds, ack=False) == []  # parked: nothing, not even the status
     harness.feed([commit("02")])
     msgs = await collect(ds, 4)
@@ -334,7 +337,7 @@ async def test_catch_up_parked_in_a_transaction_is_served_when_it_ends_without_c
 ) -> None:
     harness.feed([*txn("02"), begin("03"), insert("03", 1)])
     _sub, ds = subscribe(harness, "01")
-    await asyncio.sleep(0.05)
+    await eventually(lambda: len(harness.storer.catchups.parked) == 1, "the catch-up is parked")
     assert drain(ds, ack=False) == []
     if ending == "rollback":
         harness.feed([rollback("03")])
@@ -404,7 +407,7 @@ async def test_catch_up_does_not_include_later_transactions(harness: Harness) ->
     harness.feed(txn("03"))  # after the subscription point: live, not catch-up
     await harness.until_durable("03")
     msgs = await collect(ds, 4)
-    await asyncio.sleep(0.1)
+    await eventually(lambda: not harness.storer.catchups.running, "the catch-up ends")
     assert drain(ds) == []
     assert msgs[-1] == ["commit", {"tag": "commit"}, {"watermark": "02"}]
 
@@ -489,7 +492,7 @@ async def test_during_a_takeover_catch_ups_wait_and_reach_what_the_old_owner_sto
     new = Harness(change_db, hold_catchups_until_owned=True)
     new.storer.reset_for_stream("02")
     _sub, ds = subscribe(new, "01")
-    await asyncio.sleep(0.1)
+    await eventually(lambda: len(new.storer.catchups.parked) == 1, "the catch-up is parked")
     assert drain(ds, ack=False) == []  # parked until the takeover is done
     new.storer.owned("03")  # the log's end as read in the takeover's transaction
     msgs = await collect(ds, 7)
