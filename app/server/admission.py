@@ -60,6 +60,12 @@ class HandshakeAdmission:
         self.held_total = 0
 
     @property
+    def queue_length(self) -> int:
+        """Entries in the queue, including those that stopped waiting and are not
+        pruned yet (bounded by ``max_waiting``)."""
+        return len(self._queue)
+
+    @property
     def waiting(self) -> int:
         """Connections held now (at most ``max_waiting``: a short count)."""
         return sum(1 for w in self._queue if w.waiting)

@@ -109,6 +109,11 @@ class Forwarder:
         self._rates: dict[Subscriber, _Rate] = {}
         self._tick: TimerHandle | None = None
 
+    @property
+    def rate_samples(self) -> int:
+        """Subscribers whose ack rate is tracked (one per subscriber, until removed)."""
+        return len(self._rates)
+
     # -- membership ---------------------------------------------------------
 
     def add(self, sub: Subscriber) -> None:

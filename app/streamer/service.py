@@ -697,6 +697,11 @@ class ChangeStreamerService:
                 "subscribers; retry later"
             )
 
+    @property
+    def open_sockets(self) -> int:
+        """Sockets admitted under the subscriber limit that have not subscribed."""
+        return self._open_sockets
+
     def admit_socket(self) -> SocketSlot:
         """A place under the subscriber limit for a ``/subscribe`` socket before it
         subscribes, or a ``/snapshot`` socket: each holds server resources as a

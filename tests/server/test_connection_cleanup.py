@@ -94,16 +94,16 @@ def registries(server: Server) -> dict[str, int]:
     return {
         "active subscribers": len(forwarder.active),
         "queued subscribers": len(forwarder.queued),
-        "subscribers' rate samples": len(forwarder._rates),
-        "sockets admitted before subscribing": service._open_sockets,
+        "subscribers' rate samples": forwarder.rate_samples,
+        "sockets admitted before subscribing": service.open_sockets,
         "open connections": server.connections(),
         "catch-up tasks": storer.catchups.running,
         "catch-ups waiting for durability": storer.durable_waiters,
         "parked catch-ups": len(storer.catchups.parked),
         "unfinished catch-up jobs": sum(not job.finished for job in storer.catchups.progress.jobs),
-        "snapshot reservations": len(service.reservations._by_task),
+        "snapshot reservations": len(service.reservations.open_tasks),
         "handshakes pending": limits.pending,
-        "handshakes waiting for admission": len(limits.admission._queue),
+        "handshakes waiting for admission": limits.admission.queue_length,
     }
 
 
