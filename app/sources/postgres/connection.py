@@ -514,6 +514,11 @@ class ReplicationConnection:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def reading(self) -> bool:
+        """Whether a read is waiting for the server (a test's condition too)."""
+        return bool(self._wire.waiters)
+
     def has_frame(self) -> bool:
         """Whether a complete message is waiting to be read (the upstream is ahead of us)."""
         return bool(self._wire.messages.queued_bytes) or self._wire.lost is not None

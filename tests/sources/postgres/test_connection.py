@@ -232,7 +232,7 @@ async def test_a_cancel_that_comes_as_a_frame_arrives_is_not_lost() -> None:
     # in the same turn of the loop. asyncio.wait_for on Python 3.11 returned the
     # result then, and the cancelled pump read on into a full buffer.
     async with socket_pair_connection() as (conn, peer):
-        wire = conn._wire
+        wire = conn._wire  # white box: the race is between its waiter and a cancel
 
         async def read_on() -> None:  # what the pump does
             while True:
@@ -240,10 +240,7 @@ async def test_a_cancel_that_comes_as_a_frame_arrives_is_not_lost() -> None:
 
         task = asyncio.create_task(read_on())
         try:
-            for _ in range(100):
-                if wire.waiters:
-                    break
-                await asyncio.sleep(0)
+            await waiting.eventually(lambda: conn.reading, "the pump waits for the server")
             [fut] = wire.waiters
             fut.add_done_callback(lambda _f: task.cancel())  # right after the wake-up
             peer.send(backend_message(b"d", b"k" * 18))
@@ -267,10 +264,7 @@ async def test_a_read_times_out_with_none_and_then_returns_what_came() -> None:
 async def test_closing_wakes_a_waiting_read_at_once() -> None:
     async with socket_pair_connection() as (conn, _peer):
         reading = asyncio.create_task(conn.read_frame(30))
-        for _ in range(100):
-            if conn._wire.waiters:
-                break
-            await asyncio.sleep(0)
+        await waiting.eventually(lambda: conn.reading, "the read waits for the server")
         started = time.monotonic()
         await conn.close()
         assert await asyncio.wait_for(reading, 5) is None
