@@ -559,7 +559,7 @@ class Storer:
                 up_to,
                 batch_size=self._catchup_batch,
                 first_batch=first,
-                # A large change comes back in pieces, never whole (decision 46).
+                # A large change comes back in pieces, never whole (decision 44).
                 pieces_over=LARGE_TEXT_CHARS,
             )
         self.catchups_from_memory += 1
