@@ -1,5 +1,5 @@
 """The C helpers, as optional extensions of the package build (docs/architecture.md,
-decision 37). Everything else about the package is in pyproject.toml.
+decision 35). Everything else about the package is in pyproject.toml.
 
 Each helper has a pure-Python twin with the same answers, so a helper that fails to
 build (no C compiler, a compiler error) leaves a warning and the install goes on.

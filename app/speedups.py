@@ -2,8 +2,8 @@
 
 Five small C extensions, built by the package build when a compiler is there
 (setup.py, optional: without one the install still succeeds), each with a
-pure-Python twin that has the same contract (docs/architecture.md, decisions 31,
-32, 34 and 37):
+pure-Python twin that has the same contract (docs/architecture.md, decisions 29,
+30, 32, 35 and 38):
 
 * ``jsscan`` — ``app/protocol/_jsscan.c``: canonical JSON's scan and fast path
   (``app/protocol/canonical_json.py``)

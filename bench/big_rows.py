@@ -181,7 +181,7 @@ async def main() -> None:
     if unknown:
         raise SystemExit(f"unknown backends: {', '.join(sorted(unknown))}")
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    return_large_frees()  # as serve does (decision 44), for the writer process too
+    return_large_frees()  # as serve does (decision 42), for the writer process too
 
     value = big_json(args.size_mb)
     pieces = text_pieces(value)

@@ -4,7 +4,7 @@ A change with a 100 MB value must go from the upstream to every subscriber and
 into the change log without the event loop ever touching the whole value in one
 call: a single C call over 100 MB (a copy, an encode, an escape) holds the GIL
 for 25-160 ms, and every other subscriber's pings and frames wait that long
-(decision 46). So a large text travels as ``Pieces``: the same characters, in
+(decision 44). So a large text travels as ``Pieces``: the same characters, in
 order, cut into strings of at most ``PIECE_CHARS``. Each stage handles one piece
 per call — the websocket sends it as one fragment of the message, the change DB
 writer appends it — and may yield to the loop between pieces.

@@ -15,7 +15,7 @@ Batches, no thread. The writer runs on the caller's event loop, a batch at a tim
 (``Subscription.batches``: what has arrived, at most a thousand messages). A batch is a
 few milliseconds of work, so pings and acks wait no longer than that, and a hop to a
 worker thread per batch cost more than it saved: in the replica follower's process it
-was a third of the CPU (waking the loop from the thread; py-spy, decision 37). If a
+was a third of the CPU (waking the loop from the thread; py-spy, decision 36). If a
 batch fails, :meth:`Replicator.close` rolls back whatever transaction was left open.
 
 A change the writer rejects (:class:`~app.replica.errors.ReplicaError`) ends

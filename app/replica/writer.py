@@ -66,7 +66,7 @@ WriterMode = Literal["serving", "backup"]
 # (bytes), the connection is reopened: sqlite3 keeps a cached statement's last
 # bindings — SQLite's own copy of each bound value — until the statement runs
 # again, so one 100 MB value stayed resident for as long as its table saw no other
-# write of the same shape (decision 44). Reopening costs a few statement
+# write of the same shape (decision 42). Reopening costs a few statement
 # preparations, once per such commit.
 LARGE_VALUE_CHARS = 1 << 20
 

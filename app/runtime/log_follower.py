@@ -11,7 +11,7 @@ batch of rows becomes begin/data/commit messages for
 :class:`~app.replica.replicator.Replicator`, which writes the batch's complete
 transactions in one SQLite commit.
 
-Why a process, and why the log (docs/architecture.md, decision 37): applying rows is
+Why a process, and why the log (docs/architecture.md, decision 36): applying rows is
 Python and SQLite work that holds a GIL — in the service's process it was about a
 third of the event loop's CPU — and as a subscriber it also cost a socket's framing,
 parsing and acks, and its pace held back the fan-out's flow control. Here it runs on

@@ -5,7 +5,7 @@ precommit)`` where ``watermark`` is the transaction's commit watermark, ``pos``
 its position (begin = 0 … commit = last) and ``change`` the stored body text of
 the message (see ``app.protocol.codec``): a ``str``, or for a large one the
 ``Pieces`` it travels as, which no write path here joins and which catch-up
-reads give back in pieces when asked to (``read(pieces_over=…)``, decision 46).
+reads give back in pieces when asked to (``read(pieces_over=…)``, decision 44).
 
 Writes happen in a ``WriteTransaction``: one database transaction that may hold
 many upstream transactions (group commit), takes the ownership lock first and

@@ -12,7 +12,7 @@ the driver connection that SQLAlchemy pooled and talk to it directly:
 * appends: ``executemany`` on SQLite, ``COPY … FROM STDIN`` on Postgres;
 * catch-up reads: one ``fetchall`` per batch, plain tuples.
 
-A change text too large to hold whole (``Pieces``, decision 46) is written and,
+A change text too large to hold whole (``Pieces``, decision 44) is written and,
 with ``pieces_over``, read back without any call here touching it whole while
 holding the GIL:
 

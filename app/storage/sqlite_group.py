@@ -118,7 +118,7 @@ ROWS_PER_STATEMENT = 2048
 # NULLs (inserting nothing) so that it lets go of the value: sqlite3 keeps a
 # cached statement's last bindings (SQLite's own copy of every bound text) until
 # it is bound again, and a many-row statement may not be used again for hours —
-# one 100 MB value held 100 MiB that way (decision 44).
+# one 100 MB value held 100 MiB that way (decision 42).
 LARGE_ROW_CHARS = 1 << 20
 _CHANGE = itemgetter(2)
 _STR = frozenset({str})
@@ -228,7 +228,7 @@ class ChangeTooLarge(sqlite3.DataError):
 def _insert_text(sq: sqlite3.Connection, statements: SqliteStatements, row: TextRow) -> None:
     """One row whose change is in pieces: each piece's UTF-8 into a staged blob,
     then one copy of the whole inside SQLite (no GIL held), then the blob goes.
-    Only small values are bound, so no statement keeps the text (decision 44)."""
+    Only small values are bound, so no statement keeps the text (decision 42)."""
     watermark, pos, text, precommit = row
     size = text.utf8_length()
     limit = sq.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)

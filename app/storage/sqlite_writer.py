@@ -14,7 +14,7 @@ has both open at once.
 A change text in pieces (``Pieces``) is sent after its request one piece per
 frame, with the event loop running between pieces, and the process stages it
 in SQLite without joining it (``sqlite_group``): no call here touches a large
-value whole (decision 46).
+value whole (decision 44).
 
 The process is started when the storer starts (or on first use) and restarted
 on the next use after it failed. A commit that times out, a process that exits,

@@ -1,5 +1,5 @@
 """Catch-up of subscribers from the change log (spec/core.md §3.3, ARCHITECTURE
-decision 2; docs/architecture.md decisions 11, 42, 45).
+decision 2; docs/architecture.md decisions 11, 40, 43).
 
 ``Catchups.catchup`` is called (through ``Storer.catchup``) in the same
 synchronous step as ``Forwarder.add``. At that point the last commit *enqueued*
@@ -173,7 +173,7 @@ class Catchups:
                 up_to,
                 batch_size=self._batch,
                 first_batch=first,
-                # A large change comes back in pieces, never whole (decision 46).
+                # A large change comes back in pieces, never whole (decision 44).
                 pieces_over=LARGE_TEXT_CHARS,
             )
         self.from_memory += 1

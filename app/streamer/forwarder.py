@@ -148,7 +148,7 @@ class Forwarder:
         the checkpoint *before* it (None if there is none to wait for): pipelined
         one deep, since waiting on the newest would drain the subscribers' pipelines
         at every 64 KiB and leave the main loop idle for a round trip each time
-        (decision 33 in docs/architecture.md). A subscriber that does not ack still
+        (decision 31 in docs/architecture.md). A subscriber that does not ack still
         stops the main loop within two checkpoints' worth of changes.
         """
         sent: list[tuple[Subscriber, asyncio.Future[Any] | None]] = []

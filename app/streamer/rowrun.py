@@ -6,7 +6,7 @@ text ``["data",<change>]`` of a :class:`~app.streamer.subscriber.Change`, which 
 storer (``Storer.append``, which keeps the change object's part) and the
 subscribers (``Forwarder.forward``) both take. ``encode_rows`` does that for
 consecutive row changes of a batch, so the main loop pays one call per run
-instead of a dispatch per row (see docs/architecture.md, decision 32).
+instead of a dispatch per row (see docs/architecture.md, decision 30).
 
 It stops *before* any message it does not handle the common way — not a data
 message, or a change whose canonical JSON is not orjson's text as-is — and the

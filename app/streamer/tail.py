@@ -4,7 +4,7 @@ A subscriber that reconnects a moment after it left (a view-syncer's socket
 dropped, a deploy rolling through) resumes a few transactions behind the head.
 Its catch-up used to read those rows back from the change DB: a thread hop and a
 SQLite read per batch, which under churn took the GIL from the live stream
-(``bench.churn``, decision 45). ``LogTail`` keeps the rows of the last durable
+(``bench.churn``, decision 43). ``LogTail`` keeps the rows of the last durable
 transactions, the very tuples the storer wrote, up to a byte budget; a catch-up
 whose starting transaction is still held reads from here, and any other reads
 the change DB as before. Both give the same rows, so what the subscriber

@@ -1,6 +1,6 @@
 """A change too large to hold whole (``Pieces``) goes to subscribers as websocket
 fragments, live and caught up, and into the change log, without ever being joined
-in the service (decision 46). Real loopback sockets, a real SQLite change log."""
+in the service (decision 44). Real loopback sockets, a real SQLite change log."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Large changes in pieces: stored and read back without the service holding them whole.
 
-A change text too large to hold whole travels as ``Pieces`` (decision 46). Every
+A change text too large to hold whole travels as ``Pieces`` (decision 44). Every
 write path (the SQLite writer process, aiosqlite's thread, a write transaction's
 ``append``, Postgres' COPY) takes it as it is, and ``read(pieces_over=N)`` gives
 back every change longer than N characters as ``Pieces``: the same characters,

@@ -281,7 +281,7 @@ def test_insert_rows_lets_go_of_a_large_value(tmp_path: Path) -> None:
 
 def test_insert_rows_keeps_no_copy_of_a_text_in_pieces(tmp_path: Path) -> None:
     # A text in pieces is staged in a TEMP blob and copied inside SQLite: no
-    # statement binds it (decision 44), and the staged blob is deleted, its pages
+    # statement binds it (decision 42), and the staged blob is deleted, its pages
     # given back (temp.auto_vacuum).
     sqlite_memory.probe()
     statements = SqliteStatements.for_tables('"changeLog"', '"replicationState"')

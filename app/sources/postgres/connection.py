@@ -3,7 +3,7 @@ asyncio code, its COPY_BOTH stream handed out as frames.
 
 libpq would read a 100 MB message into its buffer and copy it out in two C calls
 holding the GIL (~150 ms with the event loop stalled), and keep its buffer at the
-largest message's size (decision 46). Here the socket's reads arrive in
+largest message's size (decision 44). Here the socket's reads arrive in
 ``data_received`` (at most what one read returned, ~256 KiB) and
 :class:`BackendMessages` cuts messages out of them without copying whole ones: a
 message inside one read is a ``memoryview`` of it, a longer one the list of its

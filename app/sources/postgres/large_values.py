@@ -1,7 +1,7 @@
 """Large text values of a frame too large to join, made JSON text a chunk at a time.
 
 A replication frame over ``connection.CHUNK_BYTES`` arrives as the chunks it came
-off the socket in (``FramePieces``), never joined (decision 46), and
+off the socket in (``FramePieces``), never joined (decision 44), and
 ``pgoutput.decode_chunks`` reads it as it reads any frame, except that a text
 value over ``LARGE_VALUE_BYTES`` stays a ``LargeValue`` (views of the chunks).
 ``ChangeMapper.materialize`` then makes each large value of a text column its JSON

@@ -396,7 +396,7 @@ class PostgresChangeStream(ChangeStream):
         return None
 
     async def _large_frame_messages(self, chunks: Sequence[bytes]) -> list[ChangeSourceMessage]:
-        """The messages of a frame too large to join (decision 46), decoded from its
+        """The messages of a frame too large to join (decision 44), decoded from its
         chunks as any frame is, except that a text value over ``LARGE_VALUE_BYTES``
         stays in the chunks until it is made JSON text a chunk at a time."""
         head = chunks[0]
