@@ -7,7 +7,7 @@ from typing import Any
 
 from app.protocol.canonical_json import loads
 from app.protocol.pieces import Text
-from app.streamer.downstream import Downstream, DownstreamClosed
+from app.streamer.downstream import DEFAULT_MAX_UNCONSUMED_BYTES, Downstream, DownstreamClosed
 from app.streamer.subscriber import Change, Mode, Subscriber
 
 
@@ -19,8 +19,9 @@ def make_sub(
     version: int = 6,
     high_water: int = 16 * 1024 * 1024,
     max_backlog_changes: int = 16_384,
+    max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES,
 ) -> tuple[Subscriber, Downstream]:
-    ds = Downstream()
+    ds = Downstream(max_unconsumed_bytes=max_unconsumed_bytes)
     sub = Subscriber(
         id=id,
         protocol_version=version,

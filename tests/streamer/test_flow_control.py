@@ -281,7 +281,7 @@ async def test_a_subscriber_dropped_while_forwarding_does_not_break_the_fan_out(
     subs = []
     channels = []
     for i in range(3):
-        sub, ds = make_sub("01", id=f"s{i}")
+        sub, ds = make_sub("01", id=f"s{i}", max_unconsumed_bytes=400)
         ds.on_close(functools.partial(fwd.remove, sub))
         sub.set_caught_up()
         fwd.add(sub)
@@ -291,7 +291,6 @@ async def test_a_subscriber_dropped_while_forwarding_does_not_break_the_fan_out(
     for ds in channels:
         # Filled to within 10 bytes of a bound of 400 (no message near a quarter of
         # it): the next change overflows, dropped mid-iteration.
-        ds._max = 400
         ds.push(["x" * 10] * ((390 - ds.unconsumed_bytes) // 10))
     for change in tx("02"):
         fwd.forward([change])  # must not raise "set changed size during iteration"
