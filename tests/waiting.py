@@ -23,9 +23,7 @@ async def eventually(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
-        value = check()
-        if asyncio.iscoroutine(value):
-            value = await value
+        value = await _checked(check)
         if value:
             return value
         assert loop.time() < deadline, f"timed out after {timeout_s} s waiting for {_named(what)}"
@@ -46,9 +44,7 @@ async def stays(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     while True:
-        value = check()
-        if asyncio.iscoroutine(value):
-            value = await value
+        value = await _checked(check)
         assert value, f"{what} broke within {seconds} s"
         if loop.time() >= deadline:
             return
@@ -73,6 +69,12 @@ def eventually_blocking(
             f"timed out after {timeout_s} s waiting for {_named(what)}"
         )
         time.sleep(poll_s)
+
+
+async def _checked(check: Callable[[], Any | Awaitable[Any]]) -> Any:
+    """``check()``, awaited if it is a coroutine."""
+    value = check()
+    return await value if asyncio.iscoroutine(value) else value
 
 
 def _named(what: str | Callable[[], str]) -> str:

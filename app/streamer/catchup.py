@@ -1,7 +1,7 @@
 """Catch-up of subscribers from the change log (spec/core.md §3.3, ARCHITECTURE
 decision 2; docs/architecture.md decisions 11, 40, 43).
 
-``Catchups.catchup`` is called (through ``Storer.catchup``) in the same
+``Catchups.catchup`` is called (``service.subscribe``: ``storer.catchups``) in the same
 synchronous step as ``Forwarder.add``. At that point the last commit *enqueued*
 is exactly the boundary between what the subscriber must read from the log and
 what reaches it live, so that watermark is its upper bound; the catch-up task

@@ -311,7 +311,7 @@ class ChangeStreamerService:
             await self.loop_lag.stop()
             await self.purger.stop()
             await self.reservations.stop()
-            await self.storer.close_catchups()
+            await self.storer.catchups.close()
             self.forwarder.close_all()
             self.running = False
             log.info("change streamer stopped")
@@ -684,7 +684,7 @@ class ChangeStreamerService:
         downstream.on_close(remove)
         # One synchronous step: the forwarder's position is the catch-up bound.
         self.forwarder.add(sub)
-        self.storer.catchup(sub, ctx.mode)
+        self.storer.catchups.catchup(sub, ctx.mode)  # same step as Forwarder.add
         if ctx.task_id is not None:
             self.reservations.close_for_task(ctx.task_id)
         return downstream

@@ -47,7 +47,7 @@ from app.storage.backfill import BookkeepingOp, bookkeeping_for
 from app.storage.changelog import WriteTransaction
 from app.streamer.catchup import CATCHUP_BATCH, MAX_CONCURRENT_CATCHUPS, Catchups, StorerStopped
 from app.streamer.histogram import GROUP_ROWS_BOUNDS, Histogram
-from app.streamer.subscriber import Change, Mode, Subscriber
+from app.streamer.subscriber import Change, Subscriber
 from app.streamer.tail import DEFAULT_TAIL_BYTES, LogTail
 from app.streamer.timers import TimerHandle, Timers
 from app.timeouts import within
@@ -249,12 +249,6 @@ class Storer:
             if tx.chunked:  # the consumer rolls back the rows already written
                 self._enqueue(_DROP)
         self._end_enqueued_tx()
-
-    def catchup(self, sub: Subscriber, mode: Mode) -> None:
-        """Catches ``sub`` up to the stream position of this very call (see
-        ``app.streamer.catchup``); called in the same synchronous step as
-        ``Forwarder.add``."""
-        self.catchups.catchup(sub, mode)
 
     def _catchup_bound(self) -> str | None:
         """A catch-up asked for now reads the log up to here; None: it is parked
@@ -545,10 +539,6 @@ class Storer:
         """Waits on ``wait_durable`` held (one whose subscriber closed, until the
         durable watermark next moves)."""
         return len(self._durable_waiters)
-
-    async def close_catchups(self) -> None:
-        """Cancels the catch-ups under way and stops their progress view."""
-        await self.catchups.close()
 
 
 class _Rollback(Exception):

@@ -70,7 +70,7 @@ async def service(tmp_path: Path) -> AsyncIterator[ChangeStreamerService]:
         yield svc
     finally:
         svc.forwarder.close_all()
-        await svc.storer.close_catchups()
+        await svc.storer.catchups.close()
         await db.dispose()
 
 
@@ -718,7 +718,7 @@ async def test_statz_shows_the_backup_url_without_its_secrets(tmp_path: Path) ->
         groups = await service_stats(svc, frozenset({"backup"}))
     finally:
         svc.forwarder.close_all()
-        await svc.storer.close_catchups()
+        await svc.storer.catchups.close()
         await db.dispose()
     shown = groups["backup"]["backupURL"]
     assert "hunter2" not in shown

@@ -306,7 +306,7 @@ async def test_a_wedged_change_log_fails_the_gate_after_the_statement_timeout(
 
 def subscribe(h: Harness, watermark: str, mode: Mode = "serving") -> tuple[Subscriber, Downstream]:
     sub, ds = make_sub(watermark, mode=mode)
-    h.storer.catchup(sub, mode)
+    h.storer.catchups.catchup(sub, mode)
     return sub, ds
 
 
@@ -356,7 +356,7 @@ async def test_a_backlog_past_its_bound_is_read_from_the_log_in_another_round(
     every transaction once, in order, and then it is live."""
     harness.feed(txn("02") + txn("03"))
     sub, ds = make_sub("01", max_backlog_changes=8)
-    harness.storer.catchup(sub, "serving")
+    harness.storer.catchups.catchup(sub, "serving")
     most = 0
     for i in range(4, 40):
         for entry in txn(f"{i:02d}"):
@@ -498,7 +498,7 @@ async def test_during_a_takeover_catch_ups_wait_and_reach_what_the_old_owner_sto
     msgs = await collect(ds, 7)
     assert msgs[-1] == ["commit", {"tag": "commit"}, {"watermark": "03"}]
     assert new.storer.durable == "03"
-    await new.storer.close_catchups()
+    await new.storer.catchups.close()
 
 
 async def test_a_long_catch_up_shows_its_progress_and_leaves_the_view_when_done(
@@ -516,7 +516,7 @@ async def test_a_long_catch_up_shows_its_progress_and_leaves_the_view_when_done(
         h.feed([e for i in range(2, 12) for e in txn(to_lexi(i))])  # 10 tx, 30 changes
         await h.until_durable(last)
         sub, ds = make_sub(REPLICA_VERSION, id="sub-7")
-        h.storer.catchup(sub, "serving")
+        h.storer.catchups.catchup(sub, "serving")
 
         def line() -> logging.LogRecord | None:
             return next((r for r in caplog.records if r.getMessage().startswith("catch-up")), None)
@@ -545,4 +545,4 @@ async def test_a_long_catch_up_shows_its_progress_and_leaves_the_view_when_done(
         await eventually(lambda: not h.storer.catchups.progress.jobs, "the job to leave the view")
     finally:
         await h.close()
-        await h.storer.close_catchups()
+        await h.storer.catchups.close()

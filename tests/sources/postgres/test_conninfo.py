@@ -13,9 +13,7 @@ import os
 import pwd
 import re
 import socket
-import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import psycopg
@@ -32,15 +30,10 @@ from app.sources.postgres.conninfo import (
     libpq_conninfo,
     parse_conninfo,
 )
+from tests.sources.postgres.test_connection import Inbox, auth, fake_server
 
-
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No PG* variable, ~/.pgpass or ~/.postgresql of whoever runs the tests."""
-    for name in list(os.environ):
-        if name.startswith("PG"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("HOME", str(tmp_path))
+# Every test here: no PG* variable, ~/.pgpass or ~/.postgresql of whoever runs them.
+pytestmark = pytest.mark.usefixtures("clean_environment")
 
 
 # -- the options, as libpq reads them ------------------------------------------------
@@ -254,33 +247,12 @@ def test_the_sslmode_chosen_is_the_one_libpq_gets(monkeypatch: pytest.MonkeyPatc
         libpq_conninfo("host=db.example sslrootcert=system")
 
 
-@asynccontextmanager
-async def asking_for_a_cleartext_password() -> AsyncIterator[tuple[int, list[bytes]]]:
-    """A server on loopback that says "no TLS", asks for a cleartext password and
-    hangs up on the answer; yields its port and the answers."""
-    received: list[bytes] = []
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            length, code = struct.unpack("!II", await reader.readexactly(8))
-            if code == 80877103:  # SSLRequest
-                writer.write(b"N")
-                length, _ = struct.unpack("!II", await reader.readexactly(8))
-            await reader.readexactly(length - 8)
-            writer.write(b"R" + struct.pack("!II", 8, 3))
-            kind, n = struct.unpack("!cI", await reader.readexactly(5))
-            received.append(kind + await reader.readexactly(n - 4))  # then it hangs up
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1], received
-    finally:
-        server.close()
-        await server.wait_closed()
+async def ask_for_a_cleartext_password(inbox: Inbox, writer: asyncio.StreamWriter) -> None:
+    """``fake_server``'s script: after its "no TLS", asks for a cleartext password
+    and hangs up on the answer."""
+    writer.write(auth(3))
+    await inbox.next()
+    writer.close()
 
 
 def a_loopback_name() -> str:
@@ -298,7 +270,7 @@ def a_loopback_name() -> str:
 
 async def test_no_connection_sends_a_password_in_the_clear_to_a_host_on_the_network() -> None:
     host = a_loopback_name()
-    async with asking_for_a_cleartext_password() as (port, received):
+    async with fake_server(ask_for_a_cleartext_password) as (port, received):
         conninfo = f"host={host} port={port} user=alice password=secret"
         with pytest.raises(ConnectError, match="cleartext password"):
             await ReplicationConnection.connect(conninfo)

@@ -37,14 +37,8 @@ from app.sources.postgres.pgwire import ScramSha256, Startup
 from tests.sources.postgres.tls_certs import make_certs
 from tests.waiting import eventually
 
-
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No PG* variable, ~/.pgpass or ~/.postgresql of whoever runs the tests."""
-    for name in list(os.environ):
-        if name.startswith("PG"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("HOME", str(tmp_path))
+# Every test here: no PG* variable, ~/.pgpass or ~/.postgresql of whoever runs them.
+pytestmark = pytest.mark.usefixtures("clean_environment")
 
 
 # -- SCRAM-SHA-256 and MD5 -----------------------------------------------------------
