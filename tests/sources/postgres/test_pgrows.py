@@ -19,7 +19,7 @@ import pytest
 from app.protocol.messages import Begin, Commit, Data
 from app.sources.postgres import mapper as mapper_module
 from app.sources.postgres.mapper import ChangeMapper, MappingError, ShardId
-from app.sources.postgres.pgoutput import PgOutputError, decode_message
+from app.sources.postgres.pgoutput import UNCHANGED_TOAST, PgOutputError, decode_message
 from app.sources.postgres.values import (
     BOOL,
     FLOAT8,
@@ -142,7 +142,11 @@ def python_path(m: ChangeMapper, payload: bytes) -> list[Any] | Exception:
 
 
 @pytest.fixture
-def mapper() -> ChangeMapper:
+def mapper(monkeypatch: pytest.MonkeyPatch) -> ChangeMapper:
+    # The built helper, also under CHANGESTREAMER_SPEEDUPS=0 (tests/c_helpers.py).
+    assert _pgrows is not None
+    _pgrows.setup(Data, UNCHANGED_TOAST, Begin, Commit)
+    monkeypatch.setattr(mapper_module, "_pgrows", _pgrows)
     m = ChangeMapper(ShardId("app", 0), TypeRegistry())
     assert m.map(decode_message(relation_payload())) == []
     return m
