@@ -5,7 +5,7 @@
 Each input is a pgoutput payload: raw bytes, or (first byte odd) an Insert, Update
 or Delete of a relation with a column of each kind the decoder converts or calls a
 parser for, built from the input. ``decode_message`` may raise only
-``PgOutputError`` and ``ChangeMapper.map`` only ``MappingError``; ``map_row`` gives
+``PgOutputError`` and ``ChangeMapper.map`` only ``MappingError``; ``map_common`` gives
 None or exactly the Python path's one Data. A disagreement raises, and libFuzzer
 saves the input (under the temporary directory unless ``-artifact_prefix=``).
 """
@@ -28,7 +28,7 @@ with atheris.instrument_imports():
     from app.sources.postgres.pgoutput import PgOutputError, decode_message
     from app.sources.postgres.values import TypeRegistry
 
-if mapper_module._pgrows is None:  # map_row would always defer: nothing to compare
+if mapper_module._pgrows is None:  # map_common would always defer: nothing to compare
     raise SystemExit("_pgrows is not built, or CHANGESTREAMER_SPEEDUPS=0")
 
 REL_OID = 0x80000010
@@ -105,9 +105,9 @@ def test_one_input(data: bytes) -> None:
     if data[:1] and data[0] & 1:
         payload = row_change(atheris.FuzzedDataProvider(data[1:]))
     expected = python_path(MAPPER, payload)
-    got = MAPPER.map_row(b"w" + payload, 1)
+    got = MAPPER.map_common(b"w" + payload, 1)
     if got is not None and [got] != expected:
-        raise AssertionError(f"map_row({payload!r}): C {got!r}, Python {expected!r}")
+        raise AssertionError(f"map_common({payload!r}): C {got!r}, Python {expected!r}")
 
 
 if __name__ == "__main__":

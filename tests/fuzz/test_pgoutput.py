@@ -3,7 +3,7 @@
 Every CopyData frame of the replication connection goes through ``parse_copy_data``
 and its payload through ``decode_message`` (``PgOutputError`` for bad bytes), then
 ``ChangeMapper.map`` (``MappingError``: the stream turns it into reset-required).
-Row changes take the C decoder first: ``map_row`` returns None (the Python path
+Row changes take the C decoder first: ``map_common`` returns None (the Python path
 decides) or exactly what ``map(decode_message(payload))`` gives. A column value a
 parser refuses is a ``PgValueError`` naming its type, and every mapped change
 serializes, since it is stored and forwarded as canonical JSON.
@@ -60,7 +60,7 @@ from app.sources.postgres.values import (
 )
 from tests.fuzz.conftest import fuzz_settings, mutated, mutated_json
 
-# map_row runs the helper the mapper loaded: none when not built, or with
+# map_common runs the helper the mapper loaded: none when not built, or with
 # CHANGESTREAMER_SPEEDUPS=0 (then it always defers, and there is nothing to compare).
 needs_c = pytest.mark.skipif(
     mapper_module._pgrows is None,
@@ -465,7 +465,7 @@ def test_the_plain_row_takes_the_c_path() -> None:
     expected = python_path(mapper, payload)
     assert isinstance(expected, list)
     if mapper_module._pgrows is not None:
-        assert [mapper.map_row(payload, 0)] == expected
+        assert [mapper.map_common(payload, 0)] == expected
 
 
 @needs_c
@@ -478,8 +478,8 @@ def test_the_c_row_decoder_gives_the_python_paths_data_or_defers(
 ) -> None:
     mapper = new_mapper()
     expected = python_path(mapper, payload)
-    got = mapper.map_row(head + payload, len(head))
-    assert got == mapper.map_row(payload, 0)
+    got = mapper.map_common(head + payload, len(head))
+    assert got == mapper.map_common(payload, 0)
     if got is not None:
         assert [got] == expected, payload
 

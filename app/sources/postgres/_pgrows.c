@@ -1,10 +1,12 @@
-/* One pgoutput row change (Insert, Update, Delete) straight to its Data message.
+/* The common pgoutput messages straight to their change-source messages: a row
+ * change (Insert, Update, Delete) to its Data, a Begin to its Begin and a Commit to
+ * its Commit.
  *
- * app/sources/postgres/mapper.py documents the contract (ChangeMapper.map_row).
+ * app/sources/postgres/mapper.py documents the contract (ChangeMapper.map_common).
  * The reference is the pure-Python path, decode_message() then ChangeMapper.map():
  * this kernel gives the same Data or, for anything it does not handle exactly as
  * that path does, None, and the caller takes that path (which raises the precise
- * error where there is one).  It returns None for: a message that is not I/U/D, a
+ * error where there is one).  It returns None for: a message that is not I/U/D/B/C, a
  * truncated or over-long message, an unknown tuple marker or column kind, a binary
  * column value, and a value parser that raised.  tests/sources/postgres/
  * test_pgrows.py compares the two on generated messages, valid and broken.
@@ -13,6 +15,10 @@
  * row dict (~12 us per 4-column row on the bench machine) with one pass over the
  * bytes; values whose parser is `str` (text, varchar, uuid, json sent as text...),
  * an integer or a bool are converted here, other types call their Python parser.
+ *
+ * A one-row transaction is three messages, so Begin and Commit are here too: in
+ * Python each was a frozen dataclass from the decoder, its body built in Python and
+ * two LSNs formatted (a third of the source's time per 1-row transaction).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,34 +31,71 @@ enum { KIND_CALL = 0, KIND_TEXT = 1, KIND_INT = 2, KIND_BOOL = 3 };
 /* Set once by mapper.py. */
 static PyObject *data_type = NULL;      /* app.protocol.messages.Data */
 static PyObject *unchanged_toast = NULL; /* pgoutput.UNCHANGED_TOAST */
+static PyObject *begin_type = NULL;     /* app.protocol.messages.Begin */
+static PyObject *commit_type = NULL;    /* app.protocol.messages.Commit */
 static PyObject *s_tag, *s_body, *s_relation, *s_new, *s_old, *s_key, *s_insert, *s_update, *s_delete;
+static PyObject *s_begin, *s_commit, *s_commit_lsn, *s_commit_time, *s_xid, *s_json, *s_stringified,
+    *s_flags, *s_commit_end_lsn, *s_commit_time_ms, *s_commit_watermark, *s_skip_ack, *s_watermark;
+
+/* Postgres timestamps count from 2000-01-01; the output's from 1970 (pgoutput.py). */
+#define PG_EPOCH_OFFSET_US INT64_C(946684800000000)
+
+static int intern_all(void) {
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {
+        {&s_tag, "tag"},
+        {&s_body, "body"},
+        {&s_relation, "relation"},
+        {&s_new, "new"},
+        {&s_old, "old"},
+        {&s_key, "key"},
+        {&s_insert, "insert"},
+        {&s_update, "update"},
+        {&s_delete, "delete"},
+        {&s_begin, "begin"},
+        {&s_commit, "commit"},
+        {&s_commit_lsn, "commitLsn"},
+        {&s_commit_time, "commitTime"},
+        {&s_xid, "xid"},
+        {&s_json, "json"},
+        {&s_stringified, "s"},
+        {&s_flags, "flags"},
+        {&s_commit_end_lsn, "commitEndLsn"},
+        {&s_commit_time_ms, "commitTimeMs"},
+        {&s_commit_watermark, "commit_watermark"},
+        {&s_skip_ack, "skip_ack"},
+        {&s_watermark, "watermark"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
 
 static PyObject *setup(PyObject *self, PyObject *args) {
-    PyObject *data, *toast;
-    if (!PyArg_ParseTuple(args, "O!O:setup", &PyType_Type, &data, &toast)) {
+    PyObject *data, *toast, *begin, *commit;
+    if (!PyArg_ParseTuple(args, "O!OO!O!:setup", &PyType_Type, &data, &toast, &PyType_Type, &begin,
+                          &PyType_Type, &commit)) {
         return NULL;
     }
-    if (s_tag == NULL) {
-        s_tag = PyUnicode_InternFromString("tag");
-        s_body = PyUnicode_InternFromString("body");
-        s_relation = PyUnicode_InternFromString("relation");
-        s_new = PyUnicode_InternFromString("new");
-        s_old = PyUnicode_InternFromString("old");
-        s_key = PyUnicode_InternFromString("key");
-        s_insert = PyUnicode_InternFromString("insert");
-        s_update = PyUnicode_InternFromString("update");
-        s_delete = PyUnicode_InternFromString("delete");
-        if (!s_tag || !s_body || !s_relation || !s_new || !s_old || !s_key || !s_insert || !s_update ||
-            !s_delete) {
-            return NULL;
-        }
+    if (intern_all() < 0) {
+        return NULL;
     }
     Py_INCREF(data);
     Py_INCREF(toast);
+    Py_INCREF(begin);
+    Py_INCREF(commit);
     Py_XSETREF(data_type, data);
     Py_XSETREF(unchanged_toast, toast);
+    Py_XSETREF(begin_type, begin);
+    Py_XSETREF(commit_type, commit);
     Py_RETURN_NONE;
 }
+
 
 /* Result of a step: OK, FALLBACK (no Python error set: take the Python path), or
  * ERROR (a Python error is set and must propagate, e.g. MemoryError). */
@@ -316,26 +359,147 @@ static PyObject *result(step s, PyObject *tag, PyObject *b) {
     return data;
 }
 
-/* A new Data(body, tag), its two slots set directly: Data is a frozen slots
- * dataclass, whose generated __init__ (a Python frame and two object.__setattr__
- * calls) would cost half as much again as decoding the row. */
+/* A new instance of ``type``, its slots set directly: the messages are frozen slots
+ * dataclasses, whose generated __init__ (a Python frame and an object.__setattr__
+ * call per field) would cost half as much again as decoding a row. */
+static PyObject *new_message(PyObject *type_object, int n, PyObject **names, PyObject **values) {
+    PyTypeObject *type = (PyTypeObject *)type_object;
+    PyObject *m = type->tp_alloc(type, 0);
+    if (m == NULL) {
+        return NULL;
+    }
+    for (int i = 0; i < n; i++) {
+        if (PyObject_GenericSetAttr(m, names[i], values[i]) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    return m;
+}
+
 static PyObject *new_data(PyObject *b, PyObject *tag) {
-    PyTypeObject *type = (PyTypeObject *)data_type;
-    PyObject *data = type->tp_alloc(type, 0);
-    if (data == NULL) {
+    PyObject *names[2] = {s_body, s_tag}, *values[2] = {b, tag};
+    return new_message(data_type, 2, names, values);
+}
+
+static uint64_t read_be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) {
+        v = (v << 8) | p[i];
+    }
+    return v;
+}
+
+/* format_lsn(): upper-case hex, 8 digits each side. */
+static PyObject *lsn_text(uint64_t lsn) {
+    char text[18];
+    snprintf(text, sizeof text, "%08X/%08X", (unsigned)(lsn >> 32), (unsigned)(lsn & 0xFFFFFFFFu));
+    return PyUnicode_FromStringAndSize(text, 17);
+}
+
+/* to_lexi(): base-36 digits, after one digit that says how many follow (minus one). */
+static PyObject *lexi_text(uint64_t n) {
+    static const char digits[] = "0123456789abcdefghijklmnopqrstuvwxyz";
+    char text[16], reversed[14]; /* 2**64 has 13 base-36 digits */
+    int len = 0;
+    if (n < 36) {
+        text[0] = '0';
+        text[1] = digits[n];
+        return PyUnicode_FromStringAndSize(text, 2);
+    }
+    while (n) {
+        reversed[len++] = digits[n % 36];
+        n /= 36;
+    }
+    text[0] = digits[len - 1];
+    for (int i = 0; i < len; i++) {
+        text[1 + i] = reversed[len - 1 - i];
+    }
+    return PyUnicode_FromStringAndSize(text, len + 1);
+}
+
+/* A commit time in Unix microseconds, or FALLBACK when it does not fit an int64
+ * (the Python path's integers do not overflow). */
+static step unix_us(const unsigned char *p, int64_t *out) {
+    int64_t pg = (int64_t)read_be64(p);
+    if (pg > INT64_MAX - PG_EPOCH_OFFSET_US) {
+        return FALLBACK;
+    }
+    *out = pg + PG_EPOCH_OFFSET_US;
+    return OK;
+}
+
+/* A dict of n keys from new references (stolen, also on failure). */
+static PyObject *dict_of(int n, PyObject **keys, PyObject **values) {
+    int failed = 0;
+    for (int i = 0; i < n; i++) {
+        failed = failed || values[i] == NULL;
+    }
+    PyObject *d = failed ? NULL : _PyDict_NewPresized(n);
+    for (int i = 0; d != NULL && i < n; i++) {
+        if (PyDict_SetItem(d, keys[i], values[i]) < 0) {
+            Py_CLEAR(d);
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        Py_XDECREF(values[i]);
+    }
+    return d;
+}
+
+/* Begin: final LSN, commit time, xid (21 bytes with the kind). */
+static PyObject *begin_message(const unsigned char *buf, Py_ssize_t size) {
+    int64_t time;
+    if (size != 21 || unix_us(buf + 9, &time) != OK) {
+        Py_RETURN_NONE;
+    }
+    uint64_t lsn = read_be64(buf + 1);
+    PyObject *keys[5] = {s_tag, s_commit_lsn, s_commit_time, s_xid, s_json};
+    PyObject *values[5] = {Py_NewRef(s_begin), lsn_text(lsn), PyLong_FromLongLong(time),
+                           PyLong_FromLong((int32_t)read_be32(buf + 17)), Py_NewRef(s_stringified)};
+    PyObject *b = dict_of(5, keys, values);
+    PyObject *watermark = b == NULL ? NULL : lexi_text(lsn);
+    if (watermark == NULL) {
+        Py_XDECREF(b);
         return NULL;
     }
-    if (PyObject_GenericSetAttr(data, s_body, b) < 0 ||
-        PyObject_GenericSetAttr(data, s_tag, tag) < 0) {
-        Py_DECREF(data);
+    PyObject *names[3] = {s_body, s_commit_watermark, s_skip_ack};
+    PyObject *fields[3] = {b, watermark, Py_False};
+    PyObject *m = new_message(begin_type, 3, names, fields);
+    Py_DECREF(b);
+    Py_DECREF(watermark);
+    return m;
+}
+
+/* Commit: flags, commit LSN, end LSN, commit time (26 bytes with the kind). */
+static PyObject *commit_message(const unsigned char *buf, Py_ssize_t size) {
+    int64_t time;
+    if (size != 26 || unix_us(buf + 18, &time) != OK) {
+        Py_RETURN_NONE;
+    }
+    uint64_t lsn = read_be64(buf + 2);
+    PyObject *keys[6] = {s_tag, s_flags, s_commit_lsn, s_commit_end_lsn, s_commit_time, s_commit_time_ms};
+    /* C division truncates toward zero, as the reference's BigInt division does. */
+    PyObject *values[6] = {Py_NewRef(s_commit),     PyLong_FromLong(buf[1]),
+                           lsn_text(lsn),           lsn_text(read_be64(buf + 10)),
+                           PyLong_FromLongLong(time), PyLong_FromLongLong(time / 1000)};
+    PyObject *b = dict_of(6, keys, values);
+    PyObject *watermark = b == NULL ? NULL : lexi_text(lsn);
+    if (watermark == NULL) {
+        Py_XDECREF(b);
         return NULL;
     }
-    return data;
+    PyObject *names[2] = {s_body, s_watermark};
+    PyObject *fields[2] = {b, watermark};
+    PyObject *m = new_message(commit_type, 2, names, fields);
+    Py_DECREF(b);
+    Py_DECREF(watermark);
+    return m;
 }
 
 static PyObject *decode_at(const unsigned char *buf, Py_ssize_t size, PyObject *specs);
 
-/* decode(buffer, offset, specs) -> Data | None: the pgoutput message at
+/* decode(buffer, offset, specs) -> Data | Begin | Commit | None: the pgoutput message at
  * buffer[offset:] (bytes, or any contiguous buffer: psycopg's memoryview of libpq's
  * copy, read in place); specs maps relation OIDs to (json, names, parsers, kinds,
  * key_indexes). */
@@ -373,6 +537,12 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 /* The message of ``size`` bytes at ``buf`` (at least 6). */
 static PyObject *decode_at(const unsigned char *buf, Py_ssize_t size, PyObject *specs) {
     unsigned char kind = buf[0], marker = buf[5];
+    if (kind == 'B') {
+        return begin_message(buf, size);
+    }
+    if (kind == 'C') {
+        return commit_message(buf, size);
+    }
     if (kind != 'I' && kind != 'U' && kind != 'D') {
         Py_RETURN_NONE;
     }
@@ -499,9 +669,9 @@ static PyObject *decode_at(const unsigned char *buf, Py_ssize_t size, PyObject *
 }
 
 static PyMethodDef methods[] = {
-    {"setup", setup, METH_VARARGS, "setup(Data, UNCHANGED_TOAST): the types decode builds."},
+    {"setup", setup, METH_VARARGS, "setup(Data, UNCHANGED_TOAST, Begin, Commit): the types decode builds."},
     {"decode", (PyCFunction)(void (*)(void))decode, METH_FASTCALL,
-     "decode(buffer, offset, specs) -> Data | None: one pgoutput I/U/D message mapped."},
+     "decode(buffer, offset, specs) -> Data | Begin | Commit | None: one pgoutput I/U/D/B/C message mapped."},
     {NULL, NULL, 0, NULL},
 };
 

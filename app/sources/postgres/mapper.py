@@ -64,13 +64,14 @@ from app.sources.postgres.values import TypeRegistry, parser_kind
 __all__ = ["ChangeMapper", "MappingError", "ShardId"]
 
 
-# Row changes (Insert, Update, Delete), decoded and mapped in one C call
-# (app/sources/postgres/_pgrows.c, an optional extension; app/speedups.py picks).
-# Without it every message takes decode_message() + map(), which gives the same
-# Data: the C call is that path's fast twin, and hands anything unusual back to it.
+# The common messages (row changes, Begin, Commit), decoded and mapped in one C
+# call (app/sources/postgres/_pgrows.c, an optional extension; app/speedups.py
+# picks). Without it every message takes decode_message() + map(), which gives the
+# same messages: the C call is that path's fast twin, and hands anything unusual
+# back to it.
 _pgrows = speedups.module("pgrows")
 if _pgrows is not None:
-    _pgrows.setup(Data, UNCHANGED_TOAST)
+    _pgrows.setup(Data, UNCHANGED_TOAST, Begin, Commit)
 
 
 class MappingError(Exception):
@@ -128,15 +129,15 @@ class ChangeMapper:
         """True when a column has a type the registry has not loaded (a new user type)."""
         return any(not self.registry.knows(c.type_oid) for c in rel.columns)
 
-    def map_row(self, buffer: bytes | memoryview, offset: int) -> Data | None:
-        """The Data of the pgoutput row change (Insert, Update, Delete) at
-        ``buffer[offset:]`` in one C call, or None: then :meth:`map` of
+    def map_common(self, buffer: bytes | memoryview, offset: int) -> Data | Begin | Commit | None:
+        """The message of the common pgoutput message (Insert, Update, Delete, Begin,
+        Commit) at ``buffer[offset:]`` in one C call, or None: then :meth:`map` of
         :func:`decode_message` gives it (or says what is wrong), as it does for
         every message when the C helper is not built."""
         if _pgrows is None:
             return None
-        data: Data | None = _pgrows.decode(buffer, offset, self._specs)
-        return data
+        message: Data | Begin | Commit | None = _pgrows.decode(buffer, offset, self._specs)
+        return message
 
     async def materialize(self, message: PgOutputMessage) -> PgOutputMessage:
         """``message`` with each ``LargeValue`` of its rows (``decode_chunks`` with

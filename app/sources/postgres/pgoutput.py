@@ -22,7 +22,7 @@ One decoder reads every message, over a frame's chunks (:func:`decode_chunks`): 
 frame of one chunk is the common case, and a frame too large to join
 (``connection.FramePieces``) is read across its chunk edges the same way, a large
 text value left in the chunks (:class:`LargeValue`). Row changes take
-``_pgrows.c`` first (``ChangeMapper.map_row``), its exact twin for a one-chunk
+``_pgrows.c`` first (``ChangeMapper.map_common``), its exact twin for a one-chunk
 frame; what it does not handle comes here. Reads are slices checked by one
 comparison, fields precompiled ``struct.unpack_from``, strings found with
 ``bytes.find``; the only per-item loop is one iteration per column.

@@ -38,7 +38,7 @@ from typing import Any, Final
 import psycopg
 
 from app.protocol.lexi import parse_state_version, to_lexi
-from app.protocol.messages import ChangeSourceMessage, Control, Rollback, Status
+from app.protocol.messages import Begin, ChangeSourceMessage, Commit, Control, Rollback, Status
 from app.sources.base import (
     BackfillRequest,
     ChangeSource,
@@ -355,14 +355,25 @@ class PostgresChangeStream(ChangeStream):
                 del frame
             else:
                 if frame[0] == _XLOG_DATA:
-                    # Row changes, the bulk of the stream, in one C call (mapper.map_row).
-                    row = self._mapper.map_row(frame, _XLOG_HEADER_SIZE)
-                    if row is not None:
+                    # Row changes, begins and commits, the bulk of the stream, in one
+                    # C call (mapper.map_common), with _account's bookkeeping inline.
+                    common = self._mapper.map_common(frame, _XLOG_HEADER_SIZE)
+                    if common is not None:
                         del frame
-                        if backfills is not None and backfills.running_table is not None:
-                            backfills.observe(row)  # a key change can void its batches
-                        yield row
-                        del row
+                        if common.kind == "data":
+                            if backfills is not None and backfills.running_table is not None:
+                                backfills.observe(common)  # a key change can void its batches
+                            yield common
+                        elif common.kind == "begin":
+                            self._on_begin(common)
+                            yield common
+                        else:
+                            self._on_commit(common)
+                            yield common
+                            passed = self._lag_report_passed(common)
+                            if passed is not None:
+                                yield passed
+                        del common
                         continue
                 out = await self._frame_messages(frame)
                 del frame
@@ -435,35 +446,45 @@ class PostgresChangeStream(ChangeStream):
             # waiting to complete may go now).
             backfills.on_position(to_lexi(message.lsn))
         last = out[-1] if out else None
-        if last is not None and last.kind == "commit" and self._mapper.lag_reports is not None:
-            # Past this commit, a lag report before it that never came counts as
-            # received (lag_reporter.py: messages skipped before Postgres 17).
-            passed = self._mapper.lag_reports.passed(last.watermark)
+        if last is not None and last.kind == "commit":
+            passed = self._lag_report_passed(last)
             if passed is not None:
                 out.append(passed)
         return out
 
+    def _lag_report_passed(self, commit: Commit) -> Status | None:
+        """Past this commit, a lag report before it that never came counts as
+        received (lag_reporter.py: messages skipped before Postgres 17)."""
+        reporter = self._mapper.lag_reports
+        return None if reporter is None else reporter.passed(commit.watermark)
+
     def _account(self, out: list[ChangeSourceMessage]) -> None:
         """The stream's bookkeeping of mapped messages: the acker's and the
         backfills' transaction boundaries, and every change a backfill must see (a
-        key change voids its older batches). The C row path (``_read``) does the
-        same for its one row change inline."""
+        key change voids its older batches). The C path of ``_read`` does the same
+        for each of its messages."""
         backfills = self._backfills
         for m in out:
             if m.kind == "begin":
-                self._acker.on_begin(m.commit_watermark, skip_ack=m.skip_ack)
-                self._in_tx = True
-                if backfills is not None:
-                    backfills.on_begin(m.commit_watermark)
+                self._on_begin(m)
             elif m.kind == "commit":
-                self._in_tx = False
-                self._last_commit = m.watermark
-                if backfills is not None:
-                    backfills.on_commit(m.watermark)
+                self._on_commit(m)
             elif m.kind == "rollback":
                 self._in_tx = False
             elif m.kind == "data" and backfills is not None:
                 backfills.observe(m)
+
+    def _on_begin(self, begin: Begin) -> None:
+        self._acker.on_begin(begin.commit_watermark, skip_ack=begin.skip_ack)
+        self._in_tx = True
+        if self._backfills is not None:
+            self._backfills.on_begin(begin.commit_watermark)
+
+    def _on_commit(self, commit: Commit) -> None:
+        self._in_tx = False
+        self._last_commit = commit.watermark
+        if self._backfills is not None:
+            self._backfills.on_commit(commit.watermark)
 
     async def _swallow(self) -> None:
         """After reset-required nothing more is sent; keep the socket drained until closed."""

@@ -1,9 +1,10 @@
-"""The C row decoder (app/sources/postgres/_pgrows.c) against the Python path.
+"""The C decoder (app/sources/postgres/_pgrows.c) against the Python path.
 
-``ChangeMapper.map_row`` must give exactly what ``map(decode_message(payload))``
+``ChangeMapper.map_common`` must give exactly what ``map(decode_message(payload))``
 gives, or None (then the Python path runs and says what is wrong). Generated
-messages, valid and broken, over every column kind the kernel converts itself and
-some it hands to the Python parsers.
+messages, valid and broken: row changes over every column kind the kernel converts
+itself and some it hands to the Python parsers, begins and commits over the whole
+range of their fields.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from app.protocol.messages import Data
+from app.protocol.messages import Begin, Commit, Data
 from app.sources.postgres import mapper as mapper_module
 from app.sources.postgres.mapper import ChangeMapper, MappingError, ShardId
-from app.sources.postgres.pgoutput import PgOutputError, decode_message
+from app.sources.postgres.pgoutput import UNCHANGED_TOAST, PgOutputError, decode_message
 from app.sources.postgres.values import (
     BOOL,
     FLOAT8,
@@ -141,7 +142,11 @@ def python_path(m: ChangeMapper, payload: bytes) -> list[Any] | Exception:
 
 
 @pytest.fixture
-def mapper() -> ChangeMapper:
+def mapper(monkeypatch: pytest.MonkeyPatch) -> ChangeMapper:
+    # The built helper, also under CHANGESTREAMER_SPEEDUPS=0 (tests/c_helpers.py).
+    assert _pgrows is not None
+    _pgrows.setup(Data, UNCHANGED_TOAST, Begin, Commit)
+    monkeypatch.setattr(mapper_module, "_pgrows", _pgrows)
     m = ChangeMapper(ShardId("app", 0), TypeRegistry())
     assert m.map(decode_message(relation_payload())) == []
     return m
@@ -153,7 +158,7 @@ def test_generated_row_changes_match_the_python_path(mapper: ChangeMapper) -> No
     for _ in range(3000):
         payload = random_payload(rng)
         expected = python_path(mapper, payload)
-        got = mapper.map_row(b"w" + bytes(24) + payload, 25)
+        got = mapper.map_common(b"w" + bytes(24) + payload, 25)
         if got is None:
             # The only reason here: a value its parser rejects, which the Python
             # path reports.
@@ -176,7 +181,7 @@ def test_every_valid_common_row_takes_the_c_path(mapper: ChangeMapper) -> None:
             ["12", "-3", "4", "t", "hé", "2.5", '{"k": 1}', "7", "2024-01-02 03:04:05+00", "{a}"]
         )
     )
-    got = mapper.map_row(payload, 0)
+    got = mapper.map_common(payload, 0)
     assert got is not None
     assert got.body["new"] == {
         "id": 12,
@@ -201,13 +206,13 @@ def test_unchanged_toast_comes_from_the_old_row_or_is_left_out(mapper: ChangeMap
     with_old = b"U" + oid + b"O" + tuple_data(old) + b"N" + tuple_data(new)
     without = b"U" + oid + b"N" + tuple_data(new)
     for payload in (with_old, without):
-        got = mapper.map_row(payload, 0)
+        got = mapper.map_common(payload, 0)
         assert got is not None
         assert [got] == python_path(mapper, payload)
-    got = mapper.map_row(with_old, 0)
+    got = mapper.map_common(with_old, 0)
     assert got is not None
     assert got.body["new"]["title"] == "old title"
-    got = mapper.map_row(without, 0)
+    got = mapper.map_common(without, 0)
     assert got is not None
     assert "title" not in got.body["new"]
     assert "j" not in got.body["new"]
@@ -227,29 +232,86 @@ def test_broken_messages_fall_back_to_the_python_path(mapper: ChangeMapper) -> N
         b"I" + struct.pack(">I", 99) + b"N" + tuple_data(["1"]),  # before its Relation
         b"U" + oid + b"K" + tuple_data(["1"]),  # no new tuple
         b"D" + oid + b"N" + tuple_data(["1"]),  # a delete needs K or O
-        b"B" + bytes(20),  # not a row change
+        b"X" + bytes(20),  # not a message the kernel maps
+        b"B" + bytes(19),  # a truncated Begin
+        b"B" + bytes(21),  # a Begin with a trailing byte
+        b"C" + bytes(24),  # a truncated Commit
+        b"C" + bytes(26),  # a Commit with a trailing byte
     ]
     for payload in broken:
-        assert mapper.map_row(payload, 0) is None, payload
-        assert mapper.map_row(b"w" + bytes(24) + payload, 25) is None, payload
+        assert mapper.map_common(payload, 0) is None, payload
+        assert mapper.map_common(b"w" + bytes(24) + payload, 25) is None, payload
+
+
+# Edges of the fields: LSNs across the lexi lengths and the u64 range, commit times
+# before 1970 and near the int64 ends (whose Unix time overflows an int64: the
+# Python path gives it), xids that are negative as int32.
+LSNS = [0, 1, 35, 36, 1295, 1296, 0x16B3748, 0xFFFFFFFF, 1 << 32, (1 << 63) + 5, (1 << 64) - 1]
+TIMES = [0, -1, -999, -1000, -1001, 1, 999, 1000, 1001, 846_000_000_000_000]
+TIMES += [-(1 << 63), (1 << 63) - 1, (1 << 63) - 946_684_800_000_000]
+TIMES += [(1 << 63) - 946_684_800_000_001]
+XIDS = [0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF]
+
+
+def begin_payload(lsn: int, time: int, xid: int) -> bytes:
+    return b"B" + struct.pack(">QqI", lsn, time, xid)
+
+
+def commit_payload(flags: int, lsn: int, end_lsn: int, time: int) -> bytes:
+    return b"C" + struct.pack(">BQQq", flags, lsn, end_lsn, time)
+
+
+def test_begins_and_commits_match_the_python_path(mapper: ChangeMapper) -> None:
+    rng = random.Random(20261204)
+    payloads = [begin_payload(lsn, t, x) for lsn in LSNS for t in TIMES for x in XIDS]
+    payloads += [
+        commit_payload(f, lsn, rng.choice(LSNS), t) for f in (0, 255) for lsn in LSNS for t in TIMES
+    ]
+    for _ in range(500):
+        payloads.append(
+            begin_payload(rng.getrandbits(64), rng.getrandbits(64) - (1 << 63), rng.getrandbits(32))
+        )
+        payloads.append(
+            commit_payload(
+                rng.getrandbits(8),
+                rng.getrandbits(64),
+                rng.getrandbits(64),
+                rng.getrandbits(64) - (1 << 63),
+            )
+        )
+    fast = 0
+    for payload in payloads:
+        expected = python_path(mapper, payload)
+        got = mapper.map_common(b"w" + bytes(24) + payload, 25)
+        if got is None:
+            # Only a commit time whose Unix time overflows an int64 defers.
+            (time,) = struct.unpack_from(">q", payload, 9 if payload[0] == ord("B") else 18)
+            assert time > (1 << 63) - 1 - 946_684_800_000_000, payload
+            continue
+        fast += 1
+        assert isinstance(got, Begin if payload[0] == ord("B") else Commit)
+        assert isinstance(expected, list)
+        assert [got] == expected, payload
+        assert list(got.body) == list(expected[0].body), payload  # the reference's key order
+    assert fast > len(payloads) * 0.8, fast
 
 
 def test_a_relation_message_replaces_the_columns_it_maps(mapper: ChangeMapper) -> None:
     columns = [("id", INT8, True), ("label", TEXT, False)]
     assert mapper.map(decode_message(relation_payload(b"f", columns))) == []
     payload = b"I" + struct.pack(">I", REL_OID) + b"N" + tuple_data(["5", "five"])
-    got = mapper.map_row(payload, 0)
+    got = mapper.map_common(payload, 0)
     assert got is not None
     assert got.body["new"] == {"id": 5, "label": "five"}
     assert [got] == python_path(mapper, payload)
 
 
-def test_without_the_helper_map_row_always_defers(
+def test_without_the_helper_map_common_always_defers(
     mapper: ChangeMapper, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(mapper_module, "_pgrows", None)
     payload = b"I" + struct.pack(">I", REL_OID) + b"N" + tuple_data(["5"])
-    assert mapper.map_row(payload, 0) is None
+    assert mapper.map_common(payload, 0) is None
 
 
 def test_bad_arguments_raise_type_errors() -> None:
