@@ -31,6 +31,7 @@ Values only our Postgres source emits, and how they come back out of SQLite:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Final, Literal
 
@@ -131,8 +132,12 @@ def is_array(lite_type: str) -> bool:
     return TEXT_ARRAY in lite_type or "[]" in lite_type
 
 
+@functools.lru_cache(maxsize=1024)
 def zql_value_type(lite_type: str) -> str | None:
-    """``number``, ``string``, ``boolean`` or ``json``; None for types zero cannot sync."""
+    """``number``, ``string``, ``boolean`` or ``json``; None for types zero cannot sync.
+
+    Cached (a table has few distinct column types): ``lite_value`` asks it for every
+    value the replica writes and initial sync loads."""
     if is_array(lite_type):
         return "json"
     base = upstream_data_type(lite_type).lower()

@@ -11,6 +11,7 @@ from app.protocol.lexi import (
     InvalidWatermarkError,
     StateVersion,
     from_lexi,
+    is_state_version,
     lsn_to_watermark,
     parse_state_version,
     to_lexi,
@@ -205,3 +206,58 @@ def test_catch_up_progress_is_the_position_between_start_and_target() -> None:
     assert watermark_fraction("01", "01", "01") == 1.0  # nothing to read
     assert watermark_fraction("01", None, "01") is None  # the read has not started
     assert watermark_fraction("01", "0b", "zz") is None  # not a watermark
+
+
+def _parses(text: object) -> bool:
+    try:
+        parse_state_version(text)  # type: ignore[arg-type]
+    except InvalidWatermarkError:
+        return False
+    return True
+
+
+# Text near the canonical form: lexi digits, upper case, dots, other characters.
+NEAR_LEXI = st.text(alphabet="0123456789abcdefghijklmnopqrstuvwxyzAZ.é\n ", max_size=40)
+
+
+@given(st.one_of(NEAR_LEXI, ANY_LEXI_VALUE.map(to_lexi)))
+def test_is_state_version_agrees_with_the_parser_on_any_text(text: str) -> None:
+    assert is_state_version(text) == _parses(text)
+
+
+@given(ANY_LEXI_VALUE, st.one_of(st.none(), ANY_LEXI_VALUE))
+def test_is_state_version_accepts_every_encoded_state_version(
+    major: int, minor: int | None
+) -> None:
+    text = to_lexi(major) if minor is None else f"{to_lexi(major)}.{to_lexi(minor)}"
+    assert is_state_version(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "0",
+        "1a",
+        "00a",
+        "100",
+        "0A",
+        "00\n",
+        "0é",
+        "4d7lu8.",
+        ".01",
+        "4d7lu8.01.01",
+        "4d7lu8.1",
+        "4d7lu.01",
+        "z" + "1" * 35,
+        "z" + "1" * 37,
+    ],
+)
+def test_is_state_version_refuses_what_the_parser_refuses(text: str) -> None:
+    assert not _parses(text)
+    assert not is_state_version(text)
+
+
+@pytest.mark.parametrize("value", [None, 12, b"00", ["00"]])
+def test_is_state_version_refuses_non_strings(value: object) -> None:
+    assert not is_state_version(value)

@@ -621,3 +621,17 @@ def test_a_large_value_does_not_stay_bound_after_its_commit(
         (3, 5, "05"),
     ]
     assert read_replica_state(replica).state_version == "05"
+
+
+def test_row_statements_stay_right_when_their_cache_starts_over(
+    with_foo: ReplicaWriter, replica: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cache of two statements meets inserts, partial and full updates, key changes
+    # and deletes of varying column sets: every one must still run its own SQL.
+    monkeypatch.setattr("app.replica.writer.STATEMENT_CACHE", 2)
+    apply_tx(with_foo, "03", insert({"id": 1, "name": "a"}), insert({"id": 2}))
+    apply_tx(with_foo, "04", update({"id": 1}), update({"id": 2, "name": "b"}))
+    apply_tx(with_foo, "05", update({"id": 3, "name": "c"}, key={"id": 1}), delete({"id": 2}))
+    apply_tx(with_foo, "06", insert({"name": "d", "id": 4}), update({"name": "e", "id": 4}))
+    assert foo_rows(replica) == [(3, "c", "05"), (4, "e", "06")]
+    assert len(with_foo._statements) <= 2

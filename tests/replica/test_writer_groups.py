@@ -88,3 +88,48 @@ async def test_a_batch_ending_mid_transaction_leaves_its_commits_durable(replica
         assert [c.watermark for c in results] == ["04"]
     assert rows(replica, "SELECT id FROM foo ORDER BY id") == [(1,), (2,)]
     assert read_replica_state(replica).state_version == "04"
+
+
+def state_writes(w: ReplicaWriter) -> list[str]:
+    """The statements that move the replica's state version, as the writer runs them."""
+    seen: list[str] = []
+    w._conn.set_trace_callback(
+        lambda sql: seen.append(sql) if '"_zero.replicationState"' in sql else None
+    )
+    return seen
+
+
+def test_a_group_writes_its_state_version_once(with_foo: ReplicaWriter, replica: Path) -> None:
+    seen = state_writes(with_foo)
+    for i in range(3, 8):
+        grouped(with_foo, f"0{i}", insert({"id": i, "name": "x"}))
+    assert seen == []  # nothing yet: the group is not written
+    with_foo.flush()
+    assert len(seen) == 1
+    assert read_replica_state(replica).state_version == "07"
+    apply_tx(with_foo, "08", insert({"id": 8}))  # an ungrouped commit writes its own
+    assert len(seen) == 2
+    assert read_replica_state(replica).state_version == "08"
+
+
+def test_a_group_whose_last_transaction_failed_keeps_the_one_before(
+    with_foo: ReplicaWriter, replica: Path
+) -> None:
+    grouped(with_foo, "03", insert({"id": 1, "name": "a"}))
+    grouped(with_foo, "04", insert({"id": 2, "name": "b"}))
+    with_foo.begin("05", {"tag": "begin"})
+    with pytest.raises(ReplicaError, match="unknown table"):
+        with_foo.apply(insert({"id": 3}, table="nope"))
+    with_foo.flush()
+    assert read_replica_state(replica).state_version == "04"
+    assert with_foo.durable_version == "04"
+    assert rows(replica, "SELECT id, _0_version FROM foo ORDER BY id") == [(1, "03"), (2, "04")]
+
+
+def test_a_group_ended_by_a_flushing_commit_stores_that_commit(
+    with_foo: ReplicaWriter, replica: Path
+) -> None:
+    grouped(with_foo, "03", insert({"id": 1, "name": "a"}))
+    apply_tx(with_foo, "04", insert({"id": 2, "name": "b"}))  # flush=True ends the group
+    assert with_foo.durable_version == "04"
+    assert read_replica_state(replica).state_version == "04"
