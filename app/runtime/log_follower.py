@@ -50,15 +50,16 @@ from app.protocol.messages import Begin, Commit, Data
 from app.protocol.pieces import join_text
 from app.replica.errors import ReplicaError, ResyncRequiredError
 from app.replica.replicator import ReplicaMessage, Replicator
-from app.storage import ChangeDb, ChangeLog, Replication, StoredRow
-from app.storage.engine import ChangeDbOptions, Shard, create_change_db, parse_change_db_url
+from app.storage.log_reader import LogReader, StoredRow, open_log_reader
+from app.storage.shard import Shard
 from app.timeouts import within
 
 __all__ = ["CHANGE_DB_ENV", "messages_from_rows", "run"]
 
 log = logging.getLogger("app.replica.follower")
 
-# The change DB's URL comes in the environment, not argv (it may hold a password).
+# Where to read the log (``engine.reader_target``) comes in the environment, not argv
+# (it may hold a password).
 CHANGE_DB_ENV: Final = "CHANGESTREAMER_FOLLOWER_CHANGE_DB"
 POLL_S: Final = 1.0
 READ_BATCH: Final = 2_000
@@ -85,36 +86,37 @@ def messages_from_rows(rows: list[StoredRow]) -> list[ReplicaMessage]:
 
 
 class LogFollower:
-    def __init__(self, db: ChangeDb, replicator: Replicator, *, poll_s: float = POLL_S) -> None:
+    def __init__(
+        self, reader: LogReader, replicator: Replicator, *, poll_s: float = POLL_S
+    ) -> None:
         self._poll_s = poll_s
-        self._log = ChangeLog(db)
-        self._replication = Replication(db)
+        # Reads block this loop, which has nothing else to do meanwhile (the stdin
+        # reader waits for us anyway); a read is one short SELECT.
+        self._reader = reader
         self._replicator = replicator
         self.notified = ""  # the newest durable watermark the parent told us of
         self.wake = asyncio.Event()
 
-    async def check(self) -> None:
+    def check(self) -> None:
         """Refuses a change log of another replica version."""
-        config = await self._replication.config()
+        found = self._reader.replica_version()
         version = self._replicator.replica_version
-        if config is None or config.replica_version != version:
-            found = config.replica_version if config is not None else "none"
+        if found != version:
             raise ResyncRequiredError(
-                f"the change log is for replica version {found}, the replica is {version}"
+                f"the change log is for replica version {found or 'none'}, the replica is {version}"
             )
 
     async def catch_up(self) -> int:
         """Applies what the log holds past the replica; the number of commits applied."""
         target = self.notified
         if not target or target <= self._replicator.watermark:
-            state = await self._replication.state()
-            target = state.last_watermark if state is not None else ""
+            target = self._reader.last_watermark() or ""
         start = self._replicator.watermark
         if target <= start:
             return 0
         found = start == self._replicator.replica_version
         commits = 0
-        async for rows in self._log.read(start, target, batch_size=READ_BATCH):
+        for rows in self._reader.read(start, target, READ_BATCH):
             if not found:
                 if rows[0][0] != start:
                     raise ResyncRequiredError(
@@ -128,7 +130,7 @@ class LogFollower:
         return commits
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.check()
+        self.check()
         log.info("following the change log into the replica from %s", self._replicator.watermark)
         while not stop.is_set():
             await self.catch_up()
@@ -175,24 +177,19 @@ def _read_notifications(
     loop.add_reader(fd, readable)
 
 
-async def run(replica: Path, change_db_url: str, shard: Shard, *, poll_s: float = POLL_S) -> None:
+async def run(replica: Path, target: str, shard: Shard, *, poll_s: float = POLL_S) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # Reads only: no writer process, a small pool.
-    db = create_change_db(
-        parse_change_db_url(change_db_url),
-        shard,
-        ChangeDbOptions(sqlite_writer="thread", sqlite_readers=1, pg_pool_size=1),
-    )
+    reader = open_log_reader(target, shard)
     try:
         async with Replicator(replica, mode="backup") as replicator:
-            follower = LogFollower(db, replicator, poll_s=poll_s)
+            follower = LogFollower(reader, replicator, poll_s=poll_s)
             _read_notifications(loop, sys.stdin.fileno(), follower, stop)
             await follower.run(stop)
     finally:
-        await db.dispose()
+        reader.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,13 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     # JSON whatever ZERO_LOG_FORMAT says: the parent reads these lines
     # (replica_follower.parse_line) and logs them again in its own format.
     configure_logging(args.log_level, "json")
-    url = os.environ.get(CHANGE_DB_ENV)
-    if not url:
+    target = os.environ.get(CHANGE_DB_ENV)
+    if not target:
         print(f"log_follower: {CHANGE_DB_ENV} is not set", file=sys.stderr)
         return 2
     try:
         asyncio.run(
-            run(args.replica, url, Shard(args.app_id, args.shard_num), poll_s=args.poll_seconds)
+            run(args.replica, target, Shard(args.app_id, args.shard_num), poll_s=args.poll_seconds)
         )
     except ResyncRequiredError as e:
         log.error("the replica must be re-synced: %s", e)

@@ -23,7 +23,7 @@ from typing import Final
 
 from app.child_env import child_env
 from app.runtime.log_follower import CHANGE_DB_ENV, EXIT_RESYNC, POLL_S
-from app.storage.engine import Shard
+from app.storage.engine import Shard, parse_change_db_url, reader_target
 from app.supervise import LOG_LEVELS, ChildSpec, ChildState, SupervisedChild
 
 __all__ = ["ReplicaFollower"]
@@ -53,7 +53,8 @@ class ReplicaFollower:
         self._poll_s = poll_s
         self._newest = ""  # the newest durable watermark not yet written to the child
         self._notify_at: asyncio.TimerHandle | None = None
-        self._change_db_url = change_db_url
+        # Resolved here, once: the child opens it without the engines' URL parsing.
+        self._log_target = reader_target(parse_change_db_url(change_db_url))
         self._shard = shard
         self._log_level = log_level
         self._child = SupervisedChild(
@@ -116,9 +117,9 @@ class ReplicaFollower:
         ]
 
     def _env(self) -> dict[str, str]:
-        # The child reads the change DB's URL (its only secret) and no settings: its
+        # The child reads where the log is (its only secret) and no settings: its
         # options come in argv (app/child_env.py).
-        return child_env(python=True, extra={CHANGE_DB_ENV: self._change_db_url})
+        return child_env(python=True, extra={CHANGE_DB_ENV: self._log_target})
 
 
 def parse_line(line: str) -> tuple[int, str, str | None]:

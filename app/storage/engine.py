@@ -13,7 +13,6 @@ reference, so operators (and the reset path) can find its sessions.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,41 +26,14 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 from app.logs import redact
 from app.storage.errors import ChangeDbConfigError
+from app.storage.shard import APPLICATION_NAME as APPLICATION_NAME
+from app.storage.shard import Shard as Shard
 from app.storage.sqlite_group import TEMP_AUTO_VACUUM, SqliteStatements
 from app.storage.sqlite_writer import SqliteWriterProcess
-
-APPLICATION_NAME = "zero-change-streamer"
-
-_APP_ID = re.compile(r"^[a-z0-9_]+$")
 
 Dialect = Literal["sqlite", "postgresql"]
 SqliteSynchronous = Literal["OFF", "NORMAL", "FULL", "EXTRA"]
 SqliteWriter = Literal["process", "thread"]
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """Identifies one shard of one app; the change DB holds one log per shard."""
-
-    app_id: str = "zero"
-    shard_num: int = 0
-
-    def __post_init__(self) -> None:
-        if not _APP_ID.match(self.app_id):
-            raise ChangeDbConfigError(
-                f"app ID {self.app_id!r} is invalid: use only lower-case letters, digits and '_'"
-            )
-        if self.shard_num < 0:
-            raise ChangeDbConfigError(f"shard number {self.shard_num} is negative")
-
-    @property
-    def name(self) -> str:
-        return f"{self.app_id}_{self.shard_num}"
-
-    @property
-    def cdc_schema(self) -> str:
-        """The Postgres schema of the change log, as the reference names it."""
-        return f"{self.name}/cdc"
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +88,16 @@ def parse_change_db_url(value: str) -> URL:
         f"change DB URL {redact(text)!r} has unsupported scheme {url.drivername!r}: "
         "use postgres://, postgresql://, sqlite:/// or a file path"
     )
+
+
+def reader_target(url: URL) -> str:
+    """Where ``log_reader.open_log_reader`` finds the log of ``url``: the SQLite file's
+    absolute path, or a libpq URL (password included: it goes to a child's
+    environment, never to argv or a log line)."""
+    if url.get_backend_name() == "sqlite":
+        assert url.database is not None
+        return str(Path(url.database).resolve())
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def describe_url(url: URL) -> str:

@@ -48,6 +48,7 @@ from app.protocol.pieces import PIECE_CHARS, Pieces, Text, decode_pieces
 from app.storage import sqlite_group
 from app.storage.engine import ChangeDb
 from app.storage.errors import ChangeTooLargeError, DuplicateChangeError, StorageError
+from app.storage.log_reader import read_statements
 from app.storage.sqlite_group import CREATE_STAGE, STAGE_TABLE, UNSTAGE, SqliteStatements
 
 Row = tuple[str, int, Text, str | None]
@@ -95,11 +96,11 @@ class FastPath:
                 f'INSERT INTO temp."{STAGE_TABLE}" ("utf8") SELECT CAST("change" AS BLOB)'
                 f' FROM {table} WHERE "watermark" = ? AND "pos" = ?'
             )
-        self._read_first, self._read_next = _reads(table, change, p)
+        self._read_first, self._read_next = read_statements(table, change, p)
         # With pieces_over: NULL (no stored change is NULL) for a change of more
         # bytes than that, to be read apart. Bytes, not characters: counting the
         # characters of every small change would cost every catch-up batch.
-        self._read_first_pieces, self._read_next_pieces = _reads(
+        self._read_first_pieces, self._read_next_pieces = read_statements(
             table, f"CASE WHEN {size} <= {p} THEN {change} END", p
         )
 
@@ -272,16 +273,6 @@ class FastPath:
             raise StorageError(f"change ({watermark}, {pos}) is no longer in the change log")
         chunks.sort(key=_OFFSET, reverse=True)
         return await asyncio.to_thread(decode_pieces, _taken(chunks))
-
-
-def _reads(table: str, change: str, p: str) -> tuple[str, str]:
-    """The first and the next catch-up read, selecting ``change`` as the change."""
-    select = f'SELECT "watermark", "pos", {change}, "precommit" FROM {table}'
-    order = 'ORDER BY "watermark", "pos" LIMIT ' + p
-    return (
-        f'{select} WHERE "watermark" >= {p} AND "watermark" <= {p} {order}',
-        f'{select} WHERE ("watermark", "pos") > ({p}, {p}) AND "watermark" <= {p} {order}',
-    )
 
 
 def _taken(chunks: list[tuple[int, bytes]]) -> Iterator[bytes]:

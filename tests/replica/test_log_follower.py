@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ from app.runtime.log_follower import (
 )
 from app.runtime.replica_follower import ReplicaFollower, parse_line
 from app.storage import ChangeDb, ChangeLog, ChangeRow, StoredRow
+from app.storage.engine import reader_target
+from app.storage.log_reader import LogReader, open_log_reader
 from tests.change_dbs import migrated
 from tests.storage.conftest import drop_schema, make_db
 from tests.waiting import eventually
@@ -58,6 +60,13 @@ async def change_db(
         await db.dispose()
 
 
+@pytest.fixture
+def reader(change_db: ChangeDb) -> Iterator[LogReader]:
+    """The follower's own reader of the log (``log_reader``, no engines)."""
+    with open_log_reader(reader_target(change_db.url), change_db.shard) as reader:
+        yield reader
+
+
 def test_rows_become_the_messages_of_the_stream() -> None:
     stored = [(r.watermark, r.pos, r.change, r.precommit) for r in tx("02", insert({"id": 1}))]
     begin, data, commit = messages_from_rows(stored)
@@ -72,14 +81,14 @@ def test_rows_become_the_messages_of_the_stream() -> None:
 
 
 async def test_catch_up_applies_what_the_log_holds_past_the_replica(
-    change_db: ChangeDb, replica: Path
+    change_db: ChangeDb, reader: LogReader, replica: Path
 ) -> None:
     log = ChangeLog(change_db)
     await log.commit_rows(OWNER, tx("02", create_table(), create_index()), "02")
     await log.commit_rows(OWNER, tx("03", insert({"id": 1, "name": "a"})), "03")
     async with Replicator(replica, mode="backup") as replicator:
-        follower = LogFollower(change_db, replicator)
-        await follower.check()
+        follower = LogFollower(reader, replicator)
+        follower.check()
         assert await follower.catch_up() == 2
         assert replicator.watermark == "03"
         assert await follower.catch_up() == 0  # nothing new: nothing applied twice
@@ -94,18 +103,18 @@ async def test_catch_up_applies_what_the_log_holds_past_the_replica(
 
 
 async def test_a_log_of_another_replica_version_is_refused(
-    change_db: ChangeDb, tmp_path: Path
+    reader: LogReader, tmp_path: Path
 ) -> None:
     from .conftest import new_replica
 
     other = new_replica(tmp_path / "other.db", version="00")
     async with Replicator(other, mode="backup") as replicator:
         with pytest.raises(ResyncRequiredError, match="replica version 01, the replica is 00"):
-            await LogFollower(change_db, replicator).check()
+            LogFollower(reader, replicator).check()
 
 
 async def test_a_log_purged_past_the_replica_means_resync(
-    change_db: ChangeDb, replica: Path
+    change_db: ChangeDb, reader: LogReader, replica: Path
 ) -> None:
     log = ChangeLog(change_db)
     async with Replicator(replica, mode="backup") as replicator:
@@ -113,7 +122,7 @@ async def test_a_log_purged_past_the_replica_means_resync(
         await replicator.apply_batch(messages_from_rows(_stored(tx("02", create_table()))))
         await log.commit_rows(OWNER, tx("03", insert({"id": 1})), "03")
         with pytest.raises(ResyncRequiredError, match="replica is at 02, but the change log"):
-            await LogFollower(change_db, replicator).catch_up()
+            await LogFollower(reader, replicator).catch_up()
         assert replicator.watermark == "02"
 
 
@@ -179,7 +188,7 @@ async def test_the_child_ends_when_its_parent_is_gone(
         str(db.shard.shard_num),
         "--log-level",
         "info",
-        env={**os.environ, CHANGE_DB_ENV: str(db.url.database)},
+        env={**os.environ, CHANGE_DB_ENV: reader_target(db.url)},
         stdin=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -251,6 +260,6 @@ async def test_the_child_gets_no_secret_of_the_parent_s_environment(
         await follower.stop()
         assert await running is False
         await db.dispose()
-    assert env[CHANGE_DB_ENV] == str(db.url.database)
+    assert env[CHANGE_DB_ENV] == reader_target(db.url)
     assert not [k for k in env if k.startswith("ZERO_")], env
     assert not [v for v in env.values() if "secret-1" in v]
