@@ -5,7 +5,7 @@ dropped, a deploy rolling through) resumes a few transactions behind the head.
 Its catch-up used to read those rows back from the change DB: a thread hop and a
 SQLite read per batch, which under churn took the GIL from the live stream
 (``bench.churn``, decision 43). ``LogTail`` keeps the rows of the last durable
-transactions, the very tuples the storer wrote, up to a byte budget; a catch-up
+transactions, the very tuples the storer wrote, up to a budget of memory; a catch-up
 whose starting transaction is still held reads from here, and any other reads
 the change DB as before. Both give the same rows, so what the subscriber
 receives is the same either way (``tests/streamer/test_tail.py``).
@@ -26,13 +26,20 @@ from app.storage import StoredRow
 
 __all__ = ["DEFAULT_TAIL_BYTES", "LogTail"]
 
-# 16 MiB of change text: at bench.churn's saturating pace (~30k small changes a
-# second) about 2 s of the stream, far more at everyday rates.
+# 16 MiB of memory: at bench.churn's saturating pace (~30k small changes a second)
+# about half a second of the stream, far more at everyday rates.
 DEFAULT_TAIL_BYTES = 16 * 1024 * 1024
+# What a held transaction costs besides its text, so the budget bounds memory, not
+# text: a row's tuple and its text's str header (~120 bytes), a transaction's list
+# and its entries here. Counting text alone, a 1-row transaction (~220 bytes of
+# text) held 3.1 times its count (tracemalloc; tests/streamer/test_tail.py).
+ROW_BYTES = 120
+TX_BYTES = 120
 
 
 class LogTail:
-    """Whole durable transactions, oldest first, at most ``budget_bytes`` of text."""
+    """Whole durable transactions, oldest first, in at most about ``budget_bytes`` of
+    memory (their text, and ``ROW_BYTES`` a row and ``TX_BYTES`` a transaction)."""
 
     def __init__(self, budget_bytes: int = DEFAULT_TAIL_BYTES) -> None:
         if budget_bytes < 0:
@@ -57,8 +64,10 @@ class LogTail:
     def last(self) -> str | None:
         return self._marks[-1] if len(self) else None
 
-    def add(self, watermark: str, rows: list[StoredRow], size: int) -> None:
-        """The transaction that became durable right after the last one held."""
+    def add(self, watermark: str, rows: list[StoredRow], text_bytes: int) -> None:
+        """The transaction that became durable right after the last one held
+        (``text_bytes``: the UTF-8 length of its rows' changes)."""
+        size = text_bytes + len(rows) * ROW_BYTES + TX_BYTES
         if size > self._budget:
             self.clear()
             return

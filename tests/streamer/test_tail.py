@@ -3,13 +3,14 @@ get exactly what the change DB would give them."""
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import AsyncIterator
 
 import pytest
 
 from app.protocol.errors import ErrorType
 from app.storage import ChangeDb, StoredRow
-from app.streamer.tail import LogTail
+from app.streamer.tail import ROW_BYTES, TX_BYTES, LogTail
 
 from .helpers import collect
 from .test_storer import Harness, begin, commit, harness, insert, subscribe, txn
@@ -24,7 +25,7 @@ def rows(w: str, n: int) -> list[StoredRow]:
 
 
 def test_rows_from_needs_the_starting_transaction_and_everything_up_to_the_bound() -> None:
-    tail = LogTail(1000)
+    tail = LogTail(1 << 20)
     for w in ("02", "03", "04"):
         tail.add(w, rows(w, 2), 20)
     assert tail.rows_from("03", "04") == [rows("03", 2), rows("04", 2)]
@@ -35,10 +36,11 @@ def test_rows_from_needs_the_starting_transaction_and_everything_up_to_the_bound
 
 
 def test_the_budget_drops_the_oldest_transactions_and_a_too_big_one_empties_it() -> None:
-    tail = LogTail(50)
+    each = 20 + 2 * ROW_BYTES + TX_BYTES  # two rows of 10 bytes of text
+    tail = LogTail(2 * each + 10)
     for i in range(2, 10):
         tail.add(f"0{i}", rows(f"0{i}", 2), 20)
-    assert (tail.first, tail.last, tail.bytes) == ("08", "09", 40)
+    assert (tail.first, tail.last, tail.bytes) == ("08", "09", 2 * each)
     assert tail.rows_from("07", "09") is None
     tail.add("10", rows("10", 9), 90)  # bigger than the budget: the run would break
     assert len(tail) == 0
@@ -46,20 +48,44 @@ def test_the_budget_drops_the_oldest_transactions_and_a_too_big_one_empties_it()
 
 
 def test_transactions_must_come_in_order() -> None:
-    tail = LogTail(1000)
+    tail = LogTail(1 << 20)
     tail.add("03", rows("03", 1), 10)
     with pytest.raises(ValueError, match="does not follow 03"):
         tail.add("02", rows("02", 1), 10)
 
 
 def test_forget_before_drops_what_a_purge_will_delete() -> None:
-    tail = LogTail(10_000)
+    tail = LogTail(1 << 20)
     for i in range(100, 300):  # enough to compact the lists on the way
         tail.add(str(i), rows(str(i), 1), 10)
     tail.forget_before("250")
     assert (tail.first, tail.last, len(tail)) == ("250", "299", 50)
     assert tail.rows_from("249", "299") is None
     assert tail.rows_from("250", "251") == [rows("250", 1), rows("251", 1)]
+
+
+@pytest.mark.parametrize("size", [1, 100])
+def test_the_budget_counts_memory_not_only_text(size: int) -> None:
+    """What the tail counts is what it holds, within a quarter (tracemalloc), for
+    the 1-row transactions most apps write as for big ones: the budget bounds RSS."""
+    n = 20_000 // size
+    tail = LogTail(1 << 40)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(n):
+            w = f"{10**9 + i:x}"  # a fresh watermark string per transaction, as stored
+            held: list[StoredRow] = [(w, 0, f'{{"tag":"begin","xid":{i}}}', None)]
+            held += [
+                (w, p, f'{{"tag":"insert","new":{{"id":{i * size + p},"v":"x"}}}}', None)
+                for p in range(1, size + 1)
+            ]
+            held.append((w, size + 1, '{"tag":"commit"}', w))
+            tail.add(w, held, sum(len(r[2]) for r in held))
+        measured = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0.75 < tail.bytes / measured < 1.33, (tail.bytes, measured)
 
 
 # -- the storer's catch-ups -------------------------------------------------------
