@@ -8,9 +8,10 @@ arrives (as zero's replicator acks each message once it has taken it), and stops
 at the commit of the transaction whose data carries SENTINEL. The process speaks
 JSON lines on stdout:
 
-* ``{"event": "ready"}`` once every subscriber has its first message (``status``):
-  the server validated the watermark and the subscriber is live, so the writer may
-  start;
+* ``{"event": "ready", "connecting_at": T}`` once every subscriber has its first
+  message (``status``): the server validated the watermark and the subscriber is
+  live, so the writer may start; T is the wall clock just before the first socket
+  was opened (a catch-up is timed from there, not from this process's start-up);
 * ``{"event": "done", ...}`` with, per subscriber, data changes received, the wall
   clock (``time.time()``) of the final commit, the final watermark, and commit
   latencies (receipt time minus the commit's upstream ``commitTime``) for the
@@ -320,6 +321,7 @@ def _emit(event: dict[str, Any]) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
+    connecting_at = time.time()
     progress = [Progress() for _ in range(args.k)]
     readies = [asyncio.Event() for _ in range(args.k)]
     tasks = [
@@ -340,7 +342,7 @@ async def run(args: argparse.Namespace) -> int:
     async def announce_ready() -> None:
         for ready in readies:
             await ready.wait()
-        _emit({"event": "ready"})
+        _emit({"event": "ready", "connecting_at": connecting_at})
 
     announcer = asyncio.create_task(announce_ready())
     try:
