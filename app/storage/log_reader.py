@@ -10,7 +10,9 @@ one plain connection: ``sqlite3`` from the standard library, or a synchronous
 not a hop to a driver thread and back (decision 36).
 
 Where to read comes from the service as a *target* (``engine.reader_target``): an
-absolute SQLite file path, or a libpq URL. Each batch is its own short read, as the
+absolute SQLite file path, or a libpq URL, which libpq reads as it reads the same
+URL for the change DB's engine (the upstream's rules, ``conninfo.py``, are for
+``ZERO_UPSTREAM_DB``; docs/architecture.md, decision 50). Each batch is its own short read, as the
 catch-up reads are (decision 8): no snapshot is held between batches, and on
 Postgres every statement runs in autocommit, so a follower never holds a lock a
 reset or a migration waits on.

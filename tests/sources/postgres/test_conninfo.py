@@ -323,7 +323,11 @@ async def test_libpq_gets_an_ordinary_connection_and_keeps_the_strings_options(
 
 
 def test_no_module_but_conninfo_opens_a_libpq_connection_itself() -> None:
-    """A ``psycopg.connect`` elsewhere would read the upstream string its own way."""
+    """A ``psycopg.connect`` elsewhere would read the upstream string its own way.
+
+    One other module connects, to the *change DB*, not the upstream:
+    ``storage/log_reader.py`` (the replica follower's reads), with the URL the
+    change DB's engine hands psycopg too, so both read it as libpq does."""
     app = Path(__file__).resolve().parents[3] / "app"
     direct = re.compile(r"psycopg\.(connect|(Async)?Connection\.connect)\(")
     found = [
@@ -331,4 +335,8 @@ def test_no_module_but_conninfo_opens_a_libpq_connection_itself() -> None:
         for path in sorted(app.rglob("*.py"))
         if direct.search(path.read_text()) and path.name != "conninfo.py"
     ]
-    assert found == []
+    assert found == ["storage/log_reader.py"]
+    # And it opens only the change DB: the one call, on what engine.reader_target gave.
+    reader = (app / "storage" / "log_reader.py").read_text()
+    assert len(direct.findall(reader)) == 1
+    assert "app.sources" not in reader
