@@ -117,3 +117,17 @@ def test_the_follower_child_loads_no_engine() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_package_names_load_lazily_and_all_of_them_resolve() -> None:
+    """``app.storage``'s names are spelled in ``__all__`` and in the table that loads
+    them (``_MODULES``): the two agree, and each name comes from its module."""
+    import importlib
+
+    import app.storage as storage
+
+    assert sorted(storage.__all__) == sorted(storage._MODULES)
+    for name, module in storage._MODULES.items():
+        assert getattr(storage, name) is getattr(importlib.import_module(module), name)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        storage.Nope  # type: ignore[attr-defined]  # noqa: B018
