@@ -20,6 +20,7 @@ HELPERS = {
     "app.streamer._rowrun": "app/streamer/_rowrun.c",
     "app.streamer._fanout": "app/streamer/_fanout.c",
     "app.sources.postgres._pgrows": "app/sources/postgres/_pgrows.c",
+    "app.sources.postgres._copyload": "app/sources/postgres/_copyload.c",
 }
 
 

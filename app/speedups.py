@@ -1,6 +1,6 @@
 """Which C helpers run: the one place that imports them.
 
-Five small C extensions, built by the package build when a compiler is there
+Six small C extensions, built by the package build when a compiler is there
 (setup.py, optional: without one the install still succeeds), each with a
 pure-Python twin that has the same contract (docs/architecture.md, decisions 29,
 30, 32, 35 and 38):
@@ -15,6 +15,9 @@ pure-Python twin that has the same contract (docs/architecture.md, decisions 29,
   (``app/streamer/subscriber.py``, ``app/streamer/downstream.py``)
 * ``pgrows`` — ``app/sources/postgres/_pgrows.c``: a pgoutput row change decoded
   and mapped in one call (``app/sources/postgres/mapper.py``)
+* ``copyload`` — ``app/sources/postgres/_copyload.c``: an initial sync's COPY rows
+  from libpq into the replica, a batch per call without the GIL
+  (``app/sources/postgres/copy_load.py``)
 
 ``module(name)`` is the loaded extension, or None when its twin runs. Each is
 imported on first request, not when this module is: importing ``app.protocol._jsscan``
@@ -56,6 +59,7 @@ _MODULES: Final[Mapping[str, str]] = {
     "rowrun": "app.streamer._rowrun",
     "fanout": "app.streamer._fanout",
     "pgrows": "app.sources.postgres._pgrows",
+    "copyload": "app.sources.postgres._copyload",
 }
 NAMES: Final = tuple(_MODULES)
 
@@ -84,7 +88,7 @@ ENABLED: Final = requested(os.environ)
 def load(module: str) -> ModuleType | None:
     """``module`` imported, or None when speedups are off or it was not built.
 
-    For the service's five (below) and for helpers outside the package that follow
+    For the service's six (below) and for helpers outside the package that follow
     the same switch (the benchmark subscriber's ``bench._rawscan``).
     """
     if not ENABLED:
@@ -108,7 +112,7 @@ def active() -> dict[str, bool]:
 
 def summary() -> str:
     """One line for the start-up log and ``/statz``: ``C (jsscan, wsfast, rowrun,
-    fanout, pgrows)``, ``pure Python (CHANGESTREAMER_SPEEDUPS=0)``, ``pure Python (not
+    fanout, pgrows, copyload)``, ``pure Python (CHANGESTREAMER_SPEEDUPS=0)``, ``pure Python (not
     built)``, or ``C (jsscan, wsfast); pure Python: rowrun, fanout (not built)``."""
     if not ENABLED:
         return f"pure Python ({ENV}=0)"

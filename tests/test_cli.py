@@ -167,7 +167,7 @@ def test_serve_answers_health_probes(tmp_path: Path) -> None:
     if not speedups.ENABLED:
         assert lines[0].endswith("speedups: pure Python (CHANGESTREAMER_SPEEDUPS=0)")
     elif all(speedups.active().values()):
-        assert lines[0].endswith("speedups: C (jsscan, wsfast, rowrun, fanout, pgrows)")
+        assert lines[0].endswith("speedups: C (jsscan, wsfast, rowrun, fanout, pgrows, copyload)")
 
 
 def test_serve_refuses_to_start_without_an_admin_password_outside_development(

@@ -239,7 +239,7 @@ def test_the_build_stage_makes_a_platform_wheel_that_runs_the_c_helpers(tmp_path
     assert run.returncode == 0, run.stderr
     where, summary = run.stdout.splitlines()
     assert Path(where).is_relative_to(env_dir), where  # the installed copy, not the repo's
-    assert summary == "C (jsscan, wsfast, rowrun, fanout, pgrows)"
+    assert summary == "C (jsscan, wsfast, rowrun, fanout, pgrows, copyload)"
     # Its console script migrates a change DB: the migrations are in the wheel.
     data = tmp_path / "data"
     data.mkdir()

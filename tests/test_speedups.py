@@ -25,14 +25,14 @@ import app.cli
 from app.protocol import canonical_json as cj
 from app.protocol import wsframes as ws
 from app.streamer import downstream, rowrun, subscriber
-from app.sources.postgres import mapper
+from app.sources.postgres import copy_load, mapper
 print(speedups.summary())
 print(cj._scan is cj.scan_py, cj.encode_fast is cj._encode_fast_py,
       ws.ack_ids is ws._ack_ids_py, ws.msg_frames is ws._msg_frames_py,
       rowrun.encode_rows is rowrun.encode_rows_py,
       subscriber.select_live is subscriber._select_live_py,
       downstream.running_totals is downstream._running_totals_py,
-      mapper._pgrows is None)
+      mapper._pgrows is None, not copy_load.active())
 """
 # The same, as if app/protocol/_jsscan.c had not been built.
 WITHOUT_JSSCAN = """
@@ -77,7 +77,7 @@ def test_0_makes_every_site_use_its_python_twin() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "pure Python (CHANGESTREAMER_SPEEDUPS=0)",
-        "True True True True True True True True",
+        "True True True True True True True True True",
     ]
 
 
@@ -86,10 +86,13 @@ def test_without_0_every_site_uses_the_c_helper_that_was_built() -> None:
     result = run_python(PROBE)
     assert result.returncode == 0, result.stderr
     summary, uses_python = result.stdout.splitlines()
-    sites = ["jsscan", "jsscan", "wsfast", "wsfast", "rowrun", "fanout", "fanout", "pgrows"]
+    sites = [
+        *("jsscan", "jsscan", "wsfast", "wsfast", "rowrun", "fanout", "fanout", "pgrows"),
+        "copyload",
+    ]
     assert uses_python.split() == [str(not built[name]) for name in sites]
     if all(built.values()):
-        assert summary == "C (jsscan, wsfast, rowrun, fanout, pgrows)"
+        assert summary == "C (jsscan, wsfast, rowrun, fanout, pgrows, copyload)"
     elif not any(built.values()):
         assert summary == "pure Python (not built)"
 
@@ -99,9 +102,12 @@ def test_a_helper_that_was_not_built_falls_back_alone() -> None:
     assert result.returncode == 0, result.stderr
     summary, uses_python = result.stdout.splitlines()
     assert uses_python.split()[:2] == ["True", "True"]  # canonical JSON: the twins
-    if all(speedups.active()[name] for name in ("wsfast", "rowrun", "fanout", "pgrows")):
-        assert summary == "C (wsfast, rowrun, fanout, pgrows); pure Python: jsscan (not built)"
-        assert uses_python.split()[2:] == ["False"] * 6
+    others = ("wsfast", "rowrun", "fanout", "pgrows", "copyload")
+    if all(speedups.active()[name] for name in others):
+        assert summary == (
+            "C (wsfast, rowrun, fanout, pgrows, copyload); pure Python: jsscan (not built)"
+        )
+        assert uses_python.split()[2:] == ["False"] * 7
 
 
 def test_a_bad_value_stops_the_command_with_one_line() -> None:

@@ -29,6 +29,7 @@ from app.server.admin_auth import STARTUP_ERROR, AdminAuth, LoginBackoff, Role, 
 from app.server.heap import HeapTracer
 from app.server.profiler import LoopProfiler
 from app.server.statz import render_text, replica_file_stats, service_stats
+from app.sources.postgres import copy_load
 from app.sources.postgres import mapper as pg_mapper
 from app.streamer import rowrun, subscriber
 from app.streamer.service import ChangeStreamerService, SubscriberContext
@@ -417,13 +418,14 @@ async def test_statz_says_which_speedups_run_as_json_and_text(
         "rowrun": rowrun.encode_rows is not rowrun.encode_rows_py,
         "fanout": subscriber.select_live is not subscriber._select_live_py,
         "pgrows": pg_mapper._pgrows is not None,
+        "copyload": copy_load.active(),
     }
     assert group == {"summary": speedups.summary(), **in_use}
     if not speedups.ENABLED:
         assert group["summary"] == "pure Python (CHANGESTREAMER_SPEEDUPS=0)"
         assert not any(in_use.values())
     elif all(in_use.values()):
-        assert group["summary"] == "C (jsscan, wsfast, rowrun, fanout, pgrows)"
+        assert group["summary"] == "C (jsscan, wsfast, rowrun, fanout, pgrows, copyload)"
     lines = text.text.splitlines()
     assert lines[:2] == ["=== speedups ===", f"summary: {group['summary']}"]
     assert lines[2:] == [f"{name}: {str(on).lower()}" for name, on in in_use.items()]

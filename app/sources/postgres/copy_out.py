@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
-__all__ = ["CopyOutError", "copy_out_rows"]
+__all__ = ["CopyOutError", "copy_out_rows", "finish_copy", "start_copy"]
 
 
 class CopyOutError(Exception):
@@ -29,17 +29,41 @@ class CopyOutError(Exception):
 
 def copy_out_rows(conn: psycopg.Connection[Any], query: bytes) -> Iterator[bytes]:
     """Runs ``query`` (a ``COPY … TO STDOUT``) and yields its rows as bytes."""
-    pg = conn.pgconn
+    pg = start_copy(conn, query)
     try:
-        pg.send_query(query)
-        result = pg.get_result()
-        if result is None or result.status != pq.ExecStatus.COPY_OUT:
-            raise CopyOutError(_message(result, "COPY did not start"), _sqlstate(result))
         while True:
             n, data = pg.get_copy_data(0)  # blocking
             if n < 0:
                 break
             yield bytes(data)
+    except psycopg.Error as e:
+        raise CopyOutError(f"connection lost during COPY: {e}", e.sqlstate) from e
+    finish_copy(pg)
+
+
+def start_copy(conn: psycopg.Connection[Any], query: bytes) -> pq.abc.PGconn:
+    """Sends ``query`` (a ``COPY … TO STDOUT``); the libpq connection, now in COPY OUT.
+
+    Its rows are read with ``get_copy_data`` until it returns a negative count, then
+    :func:`finish_copy` reads the COPY's result.
+    """
+    pg = conn.pgconn
+    try:
+        pg.send_query(query)
+        result = pg.get_result()
+    except psycopg.Error as e:
+        raise CopyOutError(f"connection lost during COPY: {e}", e.sqlstate) from e
+    if result is None or result.status != pq.ExecStatus.COPY_OUT:
+        raise CopyOutError(_message(result, "COPY did not start"), _sqlstate(result))
+    return pg
+
+
+def finish_copy(pg: pq.abc.PGconn) -> None:
+    """After the last row (or a failed read): the COPY's result, an error if it failed.
+
+    The connection is idle again when this returns normally.
+    """
+    try:
         final = pg.get_result()
         if final is None or final.status != pq.ExecStatus.COMMAND_OK:
             raise CopyOutError(_message(final, "COPY did not finish"), _sqlstate(final))

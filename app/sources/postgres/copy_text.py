@@ -34,7 +34,11 @@ class CopyFormatError(ValueError):
 
 def parse_copy_line(line: bytes | bytearray | memoryview, n_columns: int) -> list[str | None]:
     """One row: ``None`` for NULL, the unescaped text otherwise."""
-    text = str(line, "utf-8")  # no copy of the bytes first (memoryview or bytes)
+    try:
+        text = str(line, "utf-8")  # no copy of the bytes first (memoryview or bytes)
+    except UnicodeDecodeError as e:
+        shown = str(line, "utf-8", "replace").removesuffix("\n")[:200]
+        raise CopyFormatError(f"COPY row is not UTF-8: {shown!r}") from e
     if text.endswith("\n"):
         text = text[:-1]
     fields: list[str | None] = list(text.split("\t"))

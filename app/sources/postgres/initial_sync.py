@@ -8,8 +8,9 @@
    (each with ``_0_version`` defaulting to the replica version) and column metadata.
 4. Copy every table with ``COPY (SELECT …) TO STDOUT`` (text format, see
    :mod:`~app.sources.postgres.copy_text`) from parallel workers that each import the
-   snapshot. Values go through the same parsers as the stream, then into SQLite.
-   One thread owns the SQLite connection; workers hand it bounded batches.
+   snapshot. Values go through the same parsers as the stream, then into SQLite:
+   each worker inserts its rows through its own SQLite connection, a batch of
+   about 2 MiB per transaction (:mod:`~app.sources.postgres.copy_load`).
 5. Create the unique indexes, commit, record the synced schema in ``replicas``.
 
 The replica is built in ``<file>.syncing`` and renamed into place only when it is
@@ -48,8 +49,7 @@ from app.replica.ddl import (
 from app.replica.lite_types import JSON_STRINGIFIED, lite_value
 from app.replica.schema import init_replica, open_replica, remove_replica_files
 from app.sources.postgres.conninfo import async_connect, connect
-from app.sources.postgres.copy_out import copy_out_rows
-from app.sources.postgres.copy_text import parse_copy_line
+from app.sources.postgres.copy_load import copy_table, open_loader
 from app.sources.postgres.published import PublishedSchema, TableSpec, published_schema
 from app.sources.postgres.shard import ShardConfig, check_published_tables, setup_shard
 from app.sources.postgres.slots import CreatedSlot, create_replication_slot, drop_slot
@@ -80,7 +80,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_WORKERS: Final = 3
-BATCH_ROWS: Final = 5_000
 # Copy threads wait this long for the replica's write lock (another thread's batch).
 LITE_BUSY_TIMEOUT_S: Final = 600.0
 
@@ -262,30 +261,31 @@ def _copy_tables(
     """A copy thread: takes tables from ``pending`` until none is left.
 
     Blocking on purpose. Nothing else runs during an initial sync, so a thread that
-    reads COPY rows in a C loop (``get_copy_data`` without an event loop), converts
-    them and inserts them with its own SQLite connection does the whole job with no
-    hand-offs; the event loop only waits (and logs progress).
+    reads COPY rows from libpq, converts them and inserts them with its own SQLite
+    connection does the whole job with no hand-offs (in C, without the GIL, where
+    the helper is built: app/sources/postgres/copy_load.py); the event loop only
+    waits (and logs progress).
     """
     with connect(url, autocommit=True) as conn:
         conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         conn.execute(pgsql.SQL("SET TRANSACTION SNAPSHOT {}").format(pgsql.Literal(snapshot)))
-        lite = sqlite3.connect(staging, isolation_level=None, timeout=LITE_BUSY_TIMEOUT_S)
         try:
-            # The staging file is discarded on failure; _commit makes it durable.
-            lite.execute("PRAGMA synchronous = OFF")
             while not stop.is_set():
                 try:
                     table, progress = pending.pop(0)
                 except IndexError:
                     return
-                _copy_table(conn, lite, table, progress, registry, stop)
-        finally:
-            lite.close()
+                _copy_table(conn, staging, table, progress, registry, stop)
+        except BaseException:
+            # A failure can leave the COPY half read: close now, so that leaving the
+            # block does not send a ROLLBACK into it and raise that instead.
+            conn.close()
+            raise
 
 
 def _copy_table(
     conn: psycopg.Connection[Any],
-    lite: sqlite3.Connection,
+    staging: Path,
     table: TableSpec,
     progress: Job,
     registry: TypeRegistry,
@@ -301,9 +301,7 @@ def _copy_table(
     lite_columns = lite_table_columns(name, table["columns"])
     # Only the columns whose text is not already the stored value need a call per row.
     converters = [
-        (i, conv)
-        for i, (col, spec) in enumerate(columns)
-        if (conv := _converter(registry, spec["typeOID"], lite_columns[col].data_type)) is not None
+        _converter(registry, spec["typeOID"], lite_columns[col].data_type) for col, spec in columns
     ]
     query = pgsql.SQL("COPY (SELECT {} FROM {}.{}) TO STDOUT").format(
         pgsql.SQL(", ").join(pgsql.Identifier(c) for c in names),
@@ -314,37 +312,19 @@ def _copy_table(
         f"INSERT INTO {quote_id(name)} ({', '.join(quote_id(c) for c in names)}) "
         f"VALUES ({', '.join('?' for _ in names)})"
     )
-    n = len(names)
-    rows: list[list[Any]] = []
-    for line in copy_out_rows(conn, query.as_bytes(conn)):
-        progress.bytes += len(line)  # a plain int add: the view reads it from the loop
-        row: list[Any] = parse_copy_line(line, n)
-        for i, conv in converters:
-            value = row[i]
-            if value is not None:
-                row[i] = conv(value)
-        rows.append(row)
-        if len(rows) >= BATCH_ROWS:
-            _insert_batch(lite, insert, rows)
-            progress.done += len(rows)
-            rows = []
-            if stop.is_set():
-                raise InitialSyncError("stopped: another table's copy failed")
-    if rows:
-        _insert_batch(lite, insert, rows)
-        progress.done += len(rows)
-    progress.finish()
 
+    def on_batch(rows: int, size: int) -> None:
+        progress.done += rows  # plain int adds: the view reads them from the loop
+        progress.bytes += size
+        if stop.is_set():
+            raise InitialSyncError("stopped: another table's copy failed")
 
-def _insert_batch(lite: sqlite3.Connection, insert: str, rows: list[list[Any]]) -> None:
-    # One transaction per batch, so parallel copy threads take turns at the write lock.
-    lite.execute("BEGIN IMMEDIATE")
+    loader = open_loader(staging, insert, converters, int(LITE_BUSY_TIMEOUT_S * 1000))
     try:
-        lite.executemany(insert, rows)
-    except BaseException:
-        lite.execute("ROLLBACK")
-        raise
-    lite.execute("COMMIT")
+        copy_table(conn, query.as_bytes(conn), loader, on_batch)
+    finally:
+        loader.close()
+    progress.finish()
 
 
 # Parsers whose JSON value is also the SQLite value (numbers, ms timestamps, and the

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import pytest
 from app import progress
 from app.replica.schema import read_replica_state
 from app.sources.postgres import initial_sync as initial_sync_module
-from app.sources.postgres.copy_out import copy_out_rows
+from app.sources.postgres.copy_load import copy_table
 from app.sources.postgres.initial_sync import InitialSyncError, initial_sync
 from app.sources.postgres.shard import ShardConfig
 from app.sources.postgres.slots import check_replica, drop_slot
@@ -142,12 +142,12 @@ async def test_a_long_table_copy_reports_its_progress(
     caplog.set_level(logging.INFO, logger="app.progress")
     seen = threading.Event()
 
-    def held_copy_out_rows(conn: Any, query: bytes) -> Iterator[bytes]:
+    def held_copy_table(conn: Any, query: bytes, *args: Any, **kwargs: Any) -> None:
         if b'"items"' in query:
             assert seen.wait(30), "no progress line for items"
-        yield from copy_out_rows(conn, query)
+        copy_table(conn, query, *args, **kwargs)
 
-    monkeypatch.setattr(initial_sync_module, "copy_out_rows", held_copy_out_rows)
+    monkeypatch.setattr(initial_sync_module, "copy_table", held_copy_table)
 
     def items_line() -> logging.LogRecord | None:
         for r in caplog.records:
