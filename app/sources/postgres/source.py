@@ -317,7 +317,7 @@ class PostgresChangeStream(ChangeStream):
     # -- reading --------------------------------------------------------
 
     def fail_with_reset(self, reason: str, lsn: int) -> None:
-        self._reset = _reset_messages(reason, lsn)
+        self._reset = _reset_messages(reason, lsn, in_transaction=self._in_tx)
 
     async def _read(self) -> AsyncIterator[ChangeSourceMessage]:
         if self._reset is not None:
@@ -432,7 +432,7 @@ class PostgresChangeStream(ChangeStream):
                 message = await self._mapper.materialize(message)
             out = self._mapper.map(message)
         except MappingError as e:
-            self._reset = _reset_messages(str(e), wal_start, e.details)
+            self._reset = _reset_messages(str(e), wal_start, e.details, in_transaction=self._in_tx)
             log.error("unable to continue replication from %s: %s", format_lsn(wal_start), e)
             return self._reset
         self._account(out)
@@ -525,12 +525,16 @@ class PostgresChangeStream(ChangeStream):
 
 
 def _reset_messages(
-    reason: str, lsn: int, details: dict[str, Any] | None = None
+    reason: str, lsn: int, details: dict[str, Any] | None = None, *, in_transaction: bool
 ) -> list[ChangeSourceMessage]:
+    """reset-required, after a rollback of the open transaction if there is one (a
+    rollback outside a transaction is a protocol violation to the service, as to
+    zero's: a slot that cannot serve at the stream's start has none)."""
     message = f"Unable to continue replication from LSN {format_lsn(lsn)}"
     error_details: dict[str, Any] = {"error": message, **(details or {"reason": reason})}
     body = {"tag": "reset-required", "message": message, "errorDetails": error_details}
-    return [Rollback({"tag": "rollback"}), Control(body)]
+    control: list[ChangeSourceMessage] = [Control(body)]
+    return [Rollback({"tag": "rollback"}), *control] if in_transaction else control
 
 
 async def _wal_sender_timeout_s(conn: psycopg.AsyncConnection[Any]) -> float:

@@ -87,7 +87,7 @@ async def upstream(pg_url: str) -> AsyncIterator[tuple[str, str]]:
 
 def source_for(url: str, **overrides: Any) -> PostgresChangeSource:
     options = PostgresSourceOptions(
-        app_id="zero", shard_num=0, publications=(PUB,), slot=SLOT, **overrides
+        **{"app_id": "zero", "shard_num": 0, "publications": (PUB,), "slot": SLOT, **overrides}
     )
     return PostgresChangeSource(url, options)
 
@@ -450,6 +450,33 @@ async def test_missing_slot_is_a_clear_error(upstream: tuple[str, str]) -> None:
     # Not retried: the service stops (a restart then re-syncs or says what to do).
     with pytest.raises(AbortError, match="replication slot cs_no_such_slot does not exist"):
         await PostgresChangeSource(url, options).start_stream(start, [])
+
+
+async def test_a_slot_that_cannot_serve_at_the_start_is_reset_required_alone(
+    upstream: tuple[str, str], pg_url: str
+) -> None:
+    # A slot of another database (here: ours, made in the admin database) cannot
+    # stream this one. With no transaction open, the stream says reset-required and
+    # nothing else: a rollback outside a transaction would stop the service instead.
+    url, start = upstream
+    admin = pg_url.rsplit("/", 1)[0] + "/postgres"
+    slot = "cs_other_database_slot"
+    async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as c:
+        await c.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+    try:
+        stream = await source_for(url, slot=slot).start_stream(start, [])
+        try:
+            msgs = await take(aiter(stream), 1)
+            assert [m.kind for m in msgs] == ["control"]
+            control = msgs[0]
+            assert isinstance(control, Control)
+            assert control.tag == "reset-required"
+            assert "can no longer be used" in str((control.error_details or {}).get("reason"))
+        finally:
+            await stream.close()
+    finally:
+        async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as c:
+            await c.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
 
 
 async def test_degraded_mode_resets_on_a_schema_change(upstream: tuple[str, str]) -> None:
