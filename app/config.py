@@ -108,6 +108,12 @@ class Settings(BaseModel):
         2.0,
         validation_alias=_env("ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_TIMEOUT_PROPORTION"),
     )
+    # zero 1.9's fixed padding: only its sign counts here (negative: no early release,
+    # as in 1.9); the wait itself is the proportion's (decision 31).
+    consensus_padding_s: FiniteFloat | None = Field(
+        None,
+        validation_alias=_env("ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_PADDING_SECONDS"),
+    )
     slow_subscriber_grace_s: float = Field(
         30.0,
         validation_alias=_env(

@@ -161,9 +161,9 @@ CATALOG: Final[Mapping[str, ZeroSetting]] = {
     "ZERO_CHANGE_STREAMER_STARTUP_DELAY_MS": _implemented(),
     # × the memory limit, unless ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_BYTES is set.
     "ZERO_CHANGE_STREAMER_BACK_PRESSURE_LIMIT_HEAP_PROPORTION": _implemented(),
-    "ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_PADDING_SECONDS": _ignored(
-        "flow control waits per ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_TIMEOUT_PROPORTION"
-    ),
+    # A negative value turns early release off, as in 1.9; a positive one is ignored
+    # (the wait is ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_TIMEOUT_PROPORTION's).
+    "ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_PADDING_SECONDS": _implemented(),
     "ZERO_TASK_ID": _implemented(),
     "ZERO_PER_USER_MUTATION_LIMIT_MAX": _other("view-syncer: mutations"),
     "ZERO_PER_USER_MUTATION_LIMIT_WINDOW_MS": _other("view-syncer: mutations"),

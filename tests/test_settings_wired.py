@@ -150,6 +150,27 @@ def test_the_discovery_address_takes_the_protocol(env: dict[str, str], expected:
     assert discovery_address(load(env), "10.0.0.5", 4849) == expected
 
 
+# -- flow control: zero 1.9's padding switches early release off when negative ---------
+
+
+@pytest.mark.parametrize(
+    ("env", "proportion"),
+    [
+        ({}, 2.0),
+        ({"ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_TIMEOUT_PROPORTION": "0.5"}, 0.5),
+        # A positive padding is 1.9's fixed wait: the proportion decides here instead.
+        ({"ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_PADDING_SECONDS": "3"}, 2.0),
+        # Negative: no early release (a negative proportion never arms the timer,
+        # tests/streamer/test_flow_control.py).
+        ({"ZERO_CHANGE_STREAMER_FLOW_CONTROL_CONSENSUS_PADDING_SECONDS": "-1"}, -1.0),
+    ],
+)
+def test_a_negative_consensus_padding_turns_early_release_off(
+    env: dict[str, str], proportion: float
+) -> None:
+    assert streamer_options(load(env)).timeout_proportion == proportion
+
+
 # -- back pressure: bytes, or a proportion of the memory limit ---------------------------
 
 

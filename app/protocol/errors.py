@@ -10,10 +10,12 @@ internal failure must close the stream without an error frame so clients retry.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Final
 
 from app.protocol.canonical_json import dumps
 
 __all__ = [
+    "STREAM_TOO_FAR_BEHIND_SINCE",
     "ErrorType",
     "error_message_json",
     "watermark_too_old_json",
@@ -32,6 +34,9 @@ class ErrorType(IntEnum):
         """Name as zero's replicator prints it (``"WatermarkTooOld: <message>"``)."""
         return _READABLE_NAMES[self]
 
+
+# Protocol v6 (zero 1.9) knows error types 1 and 2; StreamTooFarBehind came with v7.
+STREAM_TOO_FAR_BEHIND_SINCE: Final = 7
 
 _READABLE_NAMES = {
     ErrorType.UNKNOWN: "Unknown",

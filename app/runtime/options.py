@@ -21,7 +21,11 @@ def streamer_options(settings: Settings) -> StreamerOptions:
         ),
         statement_timeout_s=settings.change_statement_timeout_ms / 1000,
         change_log_batch_size=settings.change_log_batch_size,
-        timeout_proportion=settings.consensus_timeout_proportion,
+        timeout_proportion=(
+            -1.0  # early release off, as a negative padding does in zero 1.9
+            if settings.consensus_padding_s is not None and settings.consensus_padding_s < 0
+            else settings.consensus_timeout_proportion
+        ),
         slow_subscriber_grace_s=settings.slow_subscriber_grace_s,
         max_unconsumed_bytes=settings.subscriber_max_unacked_bytes,
         max_subscribers=settings.max_subscribers,

@@ -18,12 +18,16 @@ is the replica that backups restore.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from functools import partial
 from typing import Any, Literal
 
+from app.logs import log_extra
 from app.streamer.subscriber import Subscriber
 from app.streamer.timers import TimerHandle, Timers
+
+log = logging.getLogger(__name__)
 
 ReleaseMode = Literal["all-subscribers", "consensus-timeout"]
 
@@ -39,8 +43,10 @@ class Broadcast:
         *,
         timers: Timers,
         timeout_proportion: float | None,
+        watermark: str = "",
     ) -> None:
         self._timers = timers
+        self.watermark = watermark  # of the checkpoint's change (the log line's)
         self._proportion = timeout_proportion
         self._start = timers.monotonic()
         self._timer: TimerHandle | None = None
@@ -103,6 +109,13 @@ class Broadcast:
             for sub in self._pending:
                 sub.missed_last_timeout = True
                 sub.missed_releases += 1
+            # As zero logs it: who made the majority, who is still behind.
+            log.info(
+                "continuing with %d subscriber(s) still pending (%.3f ms)",
+                len(self._pending),
+                self.age_s * 1000.0,
+                extra=log_extra({"watermark": self.watermark, **self.describe()}),
+            )
             self._release("consensus-timeout")
 
     def _release(self, mode: ReleaseMode) -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from app.protocol.errors import ErrorType
+from app.protocol.errors import STREAM_TOO_FAR_BEHIND_SINCE, ErrorType
 from app.streamer.broadcast import Broadcast, ReleaseMode
 from app.streamer.histogram import LATENCY_BOUNDS_S, Histogram
 from app.streamer.subscriber import Change, Subscriber
@@ -169,7 +169,12 @@ class Forwarder:
             start = stop
         if not checkpoint:
             return None
-        newest = Broadcast(sent, timers=self._timers, timeout_proportion=self._proportion)
+        newest = Broadcast(
+            sent,
+            timers=self._timers,
+            timeout_proportion=self._proportion,
+            watermark=changes[-1].watermark if changes else "",
+        )
         waited, self._in_flight = self._in_flight, newest
         if waited is None:
             return None
@@ -291,7 +296,11 @@ class Forwarder:
             )
 
     def _drop(self, sub: Subscriber, reason: str) -> None:
-        """Disconnects ``sub`` with StreamTooFarBehind; no checkpoint waits for it."""
+        """Disconnects ``sub`` with StreamTooFarBehind; no checkpoint waits for it.
+
+        Protocol v6 has no such error type (zero 1.9 has error types 1 and 2): a v6
+        client is closed without an error message, which it answers by reconnecting
+        and resuming, as a v7 client does with the error."""
         log.warning("disconnecting subscriber %s: %s", sub.id, reason, extra=sub.log_extra)
         self.active.discard(sub)
         self.queued.discard(sub)
@@ -299,7 +308,10 @@ class Forwarder:
         for broadcast in (self.current, self._in_flight):
             if broadcast is not None:
                 broadcast.forget(sub)
-        sub.close(ErrorType.STREAM_TOO_FAR_BEHIND, reason)
+        if sub.protocol_version >= STREAM_TOO_FAR_BEHIND_SINCE:
+            sub.close(ErrorType.STREAM_TOO_FAR_BEHIND, reason)
+        else:
+            sub.close(None, reason)
 
     def close_all(self) -> None:
         for sub in [*self.active, *self.queued]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from typing import Any
 
 import pytest
@@ -82,7 +83,9 @@ async def test_a_tracked_broadcast_is_done_only_when_everyone_consumed() -> None
     assert b.done.result() == "all-subscribers"
 
 
-async def test_majority_arms_one_proportional_timer_and_releases_at_it() -> None:
+async def test_majority_arms_one_proportional_timer_and_releases_at_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     subs = await live_subs(5)
     timers = ManualTimers()
     b = broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=2.0)
@@ -98,9 +101,15 @@ async def test_majority_arms_one_proportional_timer_and_releases_at_it() -> None
     drain(subs[3][1])
     await settle()
     assert timers.pending() == pytest.approx([0.5])  # later completions do not re-arm
-    timers.advance(0.5)
-    await settle()
+    with caplog.at_level(logging.INFO, logger="app.streamer.broadcast"):
+        timers.advance(0.5)
+        await settle()
     assert b.done.result() == "consensus-timeout"
+    # Said as zero says it, with who completed and who is still pending.
+    (line,) = [r for r in caplog.records if r.name == "app.streamer.broadcast"]
+    assert line.getMessage() == "continuing with 1 subscriber(s) still pending (750.000 ms)"
+    fields = line.__dict__["log_fields"]
+    assert (fields["completed"], fields["pending"]) == (4, [subs[4][0].id])
     assert subs[4][0].missed_last_timeout
     assert not subs[0][0].missed_last_timeout
     # Counted for /statz and /dashboard: releases that went on without it.
@@ -136,10 +145,11 @@ async def test_zero_elapsed_releases_on_a_zero_delay_timer() -> None:
     assert b.done.result() == "consensus-timeout"
 
 
-async def test_without_a_proportion_only_everyone_releases() -> None:
+@pytest.mark.parametrize("proportion", [None, -1.0])  # -1: a negative 1.9 padding
+async def test_without_a_proportion_only_everyone_releases(proportion: float | None) -> None:
     subs = await live_subs(3)
     timers = ManualTimers()
-    b = broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=None)
+    b = broadcast([s for s, _ in subs], CHANGE, timers=timers, timeout_proportion=proportion)
     for _, ds in subs[:2]:
         drain(ds)
     await settle()
@@ -213,11 +223,11 @@ async def test_subscribers_added_mid_transaction_join_after_a_rollback_too() -> 
 
 
 async def laggard_setup(
-    grace_s: float,
+    grace_s: float, version: int = 7
 ) -> tuple[Forwarder, ManualTimers, list[tuple[Subscriber, Downstream]]]:
     timers = ManualTimers()
     fwd = Forwarder(timers=timers, timeout_proportion=2.0, grace_period_s=grace_s)
-    subs = await live_subs(3)
+    subs = await live_subs(3, version=version)
     for sub, _ in subs:
         fwd.add(sub)
     fwd.start_progress_monitor()
@@ -258,6 +268,18 @@ async def test_a_chronic_laggard_is_disconnected_only_after_the_grace_period() -
     assert errors
     assert errors[0][1]["type"] == int(ErrorType.STREAM_TOO_FAR_BEHIND)
     assert errors[0][1]["message"].startswith("lagging for over 5000ms")
+    fwd.stop_progress_monitor()
+
+
+async def test_a_v6_laggard_is_closed_without_an_error_type_v6_does_not_know() -> None:
+    # zero 1.9's clients know error types 1 and 2: a v6 laggard is closed plainly,
+    # and reconnects to resume, which is what StreamTooFarBehind asks of v7 ones.
+    fwd, timers, subs = await laggard_setup(grace_s=5, version=6)
+    slow, slow_ds = subs[2]
+    await run_ticks(fwd, timers, subs, 8, slow_consumes=False)
+    assert slow not in fwd.active
+    assert slow_ds.closed
+    assert [m for m in drain(slow_ds) if m[0] == "error"] == []
     fwd.stop_progress_monitor()
 
 
