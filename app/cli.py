@@ -38,7 +38,10 @@ INTERRUPTED = 128 + signal.SIGINT  # the shell's status for a command ended by C
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "discover", None) == "":
+        parser.error("--discover needs a change DB: name one, or set ZERO_CHANGE_DB")
     try:
         return _run(args)
     except CommandError as e:
@@ -154,6 +157,7 @@ def _server_url(parser: argparse.ArgumentParser, default: str, what: str) -> Non
 
 def _add_tail_arguments(parser: argparse.ArgumentParser) -> None:
     _server_url(parser, "ws://localhost:4849", "change-streamer URI, ws:// or http(s)://")
+    _discover_arguments(parser)
     parser.add_argument(
         "--from",
         dest="watermark",
@@ -183,6 +187,34 @@ def _add_tail_arguments(parser: argparse.ArgumentParser) -> None:
     _replication_password_file(parser)
 
 
+def _discover_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--discover``: the change-streamer found through the change DB, as zero's
+    view-syncers in discover mode find it (``replicationState.ownerAddress``), and
+    found again after every handoff."""
+    parser.add_argument(
+        "--discover",
+        nargs="?",
+        const=os.environ.get("ZERO_CHANGE_DB") or "",
+        metavar="CHANGE_DB",
+        help="find the change-streamer through this change DB (a postgres:// URL or a "
+        "SQLite file; default ZERO_CHANGE_DB) instead of the URI, and follow the change "
+        "log to whichever node owns it",
+    )
+    parser.add_argument(
+        "--app-id",
+        default=os.environ.get("ZERO_APP_ID") or "zero",
+        help="with --discover: the app (default ZERO_APP_ID or zero)",
+    )
+    parser.add_argument(
+        "--shard-num",
+        type=int,
+        # A string: argparse converts it (and says so when it is not a number) only
+        # when this command runs.
+        default=os.environ.get("ZERO_SHARD_NUM") or "0",
+        help="with --discover: the shard (default ZERO_SHARD_NUM or 0)",
+    )
+
+
 def _replication_password_file(parser: argparse.ArgumentParser) -> None:
     # As for status: never the password itself on the command line.
     parser.add_argument(
@@ -195,6 +227,7 @@ def _replication_password_file(parser: argparse.ArgumentParser) -> None:
 
 def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
     _server_url(parser, "http://localhost:4849", "server URI, http(s):// or ws(s)://")
+    _discover_arguments(parser)
     # The password never on the command line, where every local user's ps sees it:
     # ZERO_ADMIN_PASSWORD, a file, or a prompt on a terminal (app/client/status.py).
     parser.add_argument(
@@ -208,6 +241,7 @@ def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_replicate_arguments(parser: argparse.ArgumentParser) -> None:
     _server_url(parser, "ws://127.0.0.1:4849", "change-streamer URI")
+    _discover_arguments(parser)
     parser.add_argument(
         "--replica",
         required=True,

@@ -18,7 +18,7 @@ Modules, one idea each:
 """
 
 from app.client.client import ChangeStreamerClient
-from app.client.discovery import discover
+from app.client.discovery import discover, discovering
 from app.client.errors import (
     ChangeStreamerError,
     ClientError,
@@ -66,6 +66,7 @@ __all__ = [
     "WatermarkTooOldError",
     "WrongReplicaVersionError",
     "discover",
+    "discovering",
     "run_status",
     "run_tail",
     "status",

@@ -33,7 +33,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from app.client.credentials import PasswordFileError, read_password_file
 from app.client.urls import parse_base_url
@@ -152,6 +152,13 @@ def run_status(
     command line is visible to every local user."""
     errors = err if err is not None else sys.stderr
     output = out if out is not None else sys.stdout
+    url: str = args.url
+    if getattr(args, "discover", None):
+        found = _discovered(args)
+        if isinstance(found, _Failed):
+            errors.write(f"changestreamer status: {found.message}\n")
+            return found.code
+        url = found
     password: str | None
     if args.password is not None:
         errors.write(
@@ -168,16 +175,39 @@ def run_status(
     else:
         password = environ.get("ZERO_ADMIN_PASSWORD") or None
     if password is not None:
-        return show_status(args.url, password=password, out=output, err=errors)
+        return show_status(url, password=password, out=output, err=errors)
     ask = prompt if prompt is not None else _terminal_prompt
     quiet = io.StringIO()  # the 401 line only if no password can be asked for
-    code = show_status(args.url, password=None, out=output, err=quiet)
+    code = show_status(url, password=None, out=output, err=quiet)
     if code == 1 and "HTTP 401" in quiet.getvalue():
         typed = ask()
         if typed:
-            return show_status(args.url, password=typed, out=output, err=errors)
+            return show_status(url, password=typed, out=output, err=errors)
     errors.write(quiet.getvalue())
     return code
+
+
+class _Failed(NamedTuple):
+    message: str
+    code: int
+
+
+def _discovered(args: argparse.Namespace) -> str | _Failed:
+    """The change log's owner, found through ``--discover``'s change DB."""
+    # Here, not at the top: it brings the change DB's engine (SQLAlchemy).
+    from app.client.discovery import discover
+    from app.client.errors import DiscoveryError
+    from app.storage.errors import ChangeDbConfigError
+    from app.storage.shard import Shard
+
+    try:
+        shard = Shard(args.app_id, args.shard_num)
+    except ChangeDbConfigError as e:
+        return _Failed(str(e), 2)
+    try:
+        return asyncio.run(discover(args.discover, shard))
+    except DiscoveryError as e:
+        return _Failed(f"--discover: {e}", 1)
 
 
 def _terminal_prompt() -> str | None:

@@ -13,6 +13,10 @@ of text, or a table on a terminal). The options are parsed by ``app/cli.py``.
   probe subscription using replica version ``00``: the server rejects it with
   ``current replica version is X (requested 00)`` and tail resubscribes with X.
 * ``--limit N`` stops after N committed transactions.
+* ``--discover [CHANGE_DB]`` (the view-syncers' ``ZERO_CHANGE_DB``, with
+  ``--app-id`` and ``--shard-num``) finds the change-streamer through the change DB
+  instead of a URL, and again at every reconnection: the tail follows the change log
+  from node to node across handoffs, as a view-syncer in discover mode does.
 * A refused upgrade (HTTP 401: the replication password from
   ``CHANGESTREAMER_REPLICATION_PASSWORD`` or ``--password-file`` is missing or
   wrong; 403) is not retried: one line on stderr, exit status 2, as for any other
@@ -37,16 +41,20 @@ from app.client.client import ChangeStreamerClient
 from app.client.credentials import PasswordFileError, replication_password
 from app.client.errors import ClientError, UnauthorizedError
 from app.client.render import message_printer
-from app.client.resume import ReconnectPolicy
+from app.client.resume import ReconnectPolicy, ResumingSubscription
 from app.client.subscription import SubscriptionContext
 from app.protocol.messages import Commit
+from app.storage.errors import ChangeDbConfigError
+from app.storage.shard import Shard
 
 __all__ = ["run_tail", "tail"]
 
 
 async def tail(
-    url: str,
+    url: str | None,
     *,
+    discover_db: str | None = None,
+    shard: Shard | None = None,
     replica_version: str | None = None,
     watermark: str | None = None,
     json_output: bool = False,
@@ -62,10 +70,16 @@ async def tail(
     Errors are one line on ``err`` (default stderr) and exit code 1; a bad URL or a
     refused password (:class:`UnauthorizedError`) is 2.
     ``give_up_after_s`` bounds how long reconnecting may fail before giving up.
+    With ``discover_db`` (and ``shard``) the server is looked up in that change DB,
+    at every connection, instead of ``url``.
     """
     errors = err if err is not None else sys.stderr
+
+    def client_for(base: str) -> ChangeStreamerClient:
+        return ChangeStreamerClient(base, password=password)
+
     try:
-        client = ChangeStreamerClient(url, password=password)
+        client = None if discover_db is not None else client_for(url or "")
     except ValueError as e:
         errors.write(f"changestreamer tail: {e}\n")
         return 2
@@ -73,11 +87,23 @@ async def tail(
     printer = message_printer(out, json_output=json_output)
     commits = 0
     try:
-        if replica_version is None:
-            replica_version = await client.probe_replica_version(f"{name}-probe")
+        if client is None:
+            assert discover_db is not None
+            # Here, not at the top: it brings the change DB's engine (SQLAlchemy).
+            from app.client.discovery import discover, discovering
+
+            where = shard or Shard()
+            connect = discovering(discover_db, where, client_for)
+            if replica_version is None:
+                owner = client_for(await discover(discover_db, where))
+                replica_version = await owner.probe_replica_version(f"{name}-probe")
+        else:
+            connect = client.subscribe
+            if replica_version is None:
+                replica_version = await client.probe_replica_version(f"{name}-probe")
         ctx = SubscriptionContext(name, replica_version, watermark or replica_version)
         policy = ReconnectPolicy(max_elapsed_s=give_up_after_s)
-        async with client.resume(ctx, policy) as subscription:
+        async with ResumingSubscription(connect, ctx, policy) as subscription:
             if limit is not None and limit <= 0:
                 return 0
             async for message in subscription:
@@ -99,12 +125,15 @@ def run_tail(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     """Runs ``tail`` for its parsed options (``app/cli.py``); the exit code."""
     try:
         password = replication_password(args.password_file)
-    except PasswordFileError as e:
+        shard = Shard(args.app_id, args.shard_num)
+    except (PasswordFileError, ChangeDbConfigError) as e:
         (err if err is not None else sys.stderr).write(f"changestreamer tail: {e}\n")
         return 2
     return asyncio.run(
         tail(
             args.url,
+            discover_db=args.discover,
+            shard=shard,
             replica_version=args.replica_version,
             watermark=args.watermark,
             json_output=args.json_output,

@@ -41,6 +41,7 @@ from app.backup.restore import RestoreError, restore_replica
 from app.client import (
     ChangeStreamerClient,
     ClientError,
+    DiscoveryError,
     ProtocolError,
     SnapshotFollowup,
     UnauthorizedError,
@@ -51,6 +52,8 @@ from app.logs import configure_logging, final_line
 from app.replica.errors import ReplicaError, ResyncRequiredError
 from app.replica.runner import run_replicator
 from app.runtime.backups import BackupConfigError, litestream_options
+from app.storage.errors import ChangeDbConfigError
+from app.storage.shard import Shard
 
 __all__ = ["run_replicate"]
 
@@ -110,9 +113,23 @@ async def _replicate(
         loop.add_signal_handler(sig, on_signal, sig)
     subscriber_id = args.subscriber_id or f"replicate-{os.getpid()}"
     task_id: str | None = args.task_id
-    client = ChangeStreamerClient(
-        args.url, protocol_version=args.protocol_version, password=password
-    )
+
+    def client_for(url: str) -> ChangeStreamerClient:
+        return ChangeStreamerClient(url, protocol_version=args.protocol_version, password=password)
+
+    url = args.url
+    subscribe = None
+    if args.discover:
+        # The owner now, for a restore; every session then looks it up again.
+        from app.client.discovery import discover, discovering
+
+        try:
+            shard = Shard(args.app_id, args.shard_num)
+            url = await discover(args.discover, shard)
+        except (ChangeDbConfigError, DiscoveryError) as e:
+            raise _Stop(f"--discover: {e}", 1) from None
+        subscribe = discovering(args.discover, shard, client_for)
+    client = client_for(url)
     reservation: SnapshotFollowup | None = None
     if restore_first:
         task_id = task_id or subscriber_id
@@ -134,9 +151,10 @@ async def _replicate(
         if commits % 1000 == 0:
             log.info("replicated %d transactions", commits)
 
-    log.info("replicating %s into %s", args.url, replica)
+    where = f"the owner named in {args.discover}" if args.discover else url
+    log.info("replicating %s into %s", where, replica)
     await run_replicator(
-        args.url,
+        url,
         replica,
         subscriber_id=subscriber_id,
         stop=stop,
@@ -144,6 +162,7 @@ async def _replicate(
         on_commit=count,
         client=client,
         reservation=reservation,
+        subscribe=subscribe,
     )
     log.info("stopped after %d transactions", commits)
     return stopped_by[0] if stopped_by else None

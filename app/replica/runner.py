@@ -72,9 +72,14 @@ async def run_replicator(
     on_commit: Callable[[CommitResult], None] | None = None,
     client: ChangeStreamerClient | None = None,
     reservation: SnapshotFollowup | None = None,
+    subscribe: Subscribe | None = None,
 ) -> None:
-    """Replicates into ``replica_file`` until ``stop`` is set (see the module docstring)."""
+    """Replicates into ``replica_file`` until ``stop`` is set (see the module docstring).
+
+    ``subscribe`` opens each session (default ``client.subscribe``): a discovering
+    one follows the change log to whichever node owns it."""
     client = client or ChangeStreamerClient(url)
+    open_session: Subscribe = subscribe or client.subscribe
     delays = backoff or Backoff()
     try:
         async with Replicator(replica_file, mode=mode, on_commit=on_commit) as replicator:
@@ -88,10 +93,10 @@ async def run_replicator(
                     task_id=task_id,
                     initial=replicator.watermark == initial_watermark,
                 )
-                subscribe: Subscribe = client.subscribe
+                this_session = open_session
                 if reservation is not None:
-                    subscribe, reservation = reservation.subscribe, None
-                session = asyncio.create_task(_session(subscribe, ctx, replicator))
+                    this_session, reservation = reservation.subscribe, None
+                session = asyncio.create_task(_session(this_session, ctx, replicator))
                 try:
                     commits = await _unless_stopped(session, stop)
                 except (WrongReplicaVersionError, WatermarkTooOldError) as e:

@@ -21,6 +21,8 @@ import pytest
 from app.cli import build_parser
 from app.client import run_status, status
 from app.client.status import format_statz
+from app.storage import Shard, create_change_db, parse_change_db_url
+from tests.change_dbs import migrated
 
 from .conftest import CLI, TIMEOUT, command, command_env, free_port, in_terminal
 
@@ -230,3 +232,33 @@ async def test_ctrl_c_while_the_server_does_not_answer_exits_quietly_with_130() 
             release.set()
             await asyncio.wait_for(closed.wait(), TIMEOUT)
     assert (proc.returncode, out, err) == (130, b"", b"")
+
+
+async def test_with_discover_it_asks_the_owner_the_change_db_names(
+    stub: Stub, tmp_path: Path
+) -> None:
+    directory = tmp_path / "cdc.db"
+    db = create_change_db(parse_change_db_url(str(directory)), Shard("myapp", 3))
+    try:
+        address = stub.url.removeprefix("ws://").split("/")[0]  # host:port, as serve writes it
+        await migrated(db, owner="node-b", address=address)
+    finally:
+        await db.dispose()
+    args = build_parser().parse_args(
+        ["status", "--discover", str(directory), "--app-id", "myapp", "--shard-num", "3"]
+    )
+    out, err = io.StringIO(), io.StringIO()
+    env = {"ZERO_ADMIN_PASSWORD": PASSWORD}
+    assert await asyncio.to_thread(run_status, args, out, err, environ=env) == 0, err.getvalue()
+    assert out.getvalue() == PLAIN
+    # A change DB that names no owner: one line, exit code 1.
+    unowned = tmp_path / "unowned.db"
+    db = create_change_db(parse_change_db_url(str(unowned)), Shard())
+    try:
+        await migrated(db)
+    finally:
+        await db.dispose()
+    other = build_parser().parse_args(["status", "--discover", str(unowned)])
+    out, err = io.StringIO(), io.StringIO()
+    assert await asyncio.to_thread(run_status, other, out, err, environ=env) == 1
+    assert err.getvalue() == "changestreamer status: --discover: no change-streamer is running\n"

@@ -6,11 +6,18 @@ import asyncio
 import io
 import re
 import signal
+from pathlib import Path
 from typing import Any
 
-from app.cli import build_parser
+import pytest
+
+from app.cli import build_parser, main
 from app.client import ChangeStreamerClient, SubscriptionContext, run_tail, tail
 from app.protocol.canonical_json import loads
+from app.storage import Replication, Shard, create_change_db, parse_change_db_url
+from tests.change_dbs import migrated
+from tests.server.conftest import start_server
+from tests.waiting import eventually
 
 from .conftest import CLI, TIMEOUT, Server, command, command_env, in_terminal, txn
 
@@ -148,3 +155,68 @@ async def test_ctrl_c_ends_it_quietly_with_130(server: Server) -> None:
             proc.kill()
             await proc.wait()
     assert (proc.returncode, err) == (130, b"")
+
+
+async def test_with_discover_it_follows_the_change_log_from_owner_to_owner(
+    tmp_path: Path,
+) -> None:
+    # A directory change DB names the owner, as a shared one does after a handoff. The
+    # tail finds the first server, and when that one drops it, finds the second and
+    # resumes after the last commit it printed.
+    directory = tmp_path / "directory" / "cdc.db"
+    directory.parent.mkdir()
+    db = create_change_db(parse_change_db_url(str(directory)), Shard())
+    servers = [start_server(tmp_path / name) for name in ("a", "b")]
+    try:
+        first, second = [await anext(s) for s in servers]
+        await migrated(db, owner="node-a", address=first.url.removeprefix("ws://"))
+        for server in (first, second):
+            server.service.serving_started.set()  # both stream at once
+        # The first has only 02 when it lets go; 03 is the second's, after the handoff.
+        await store(first, *txn("02"))
+        await store(second, *txn("02"), *txn("03"))
+        out, err = io.StringIO(), io.StringIO()
+        args = build_parser().parse_args(
+            ["tail", "--discover", str(directory), "--json", "--limit", "2"]
+        )
+        printed = asyncio.create_task(asyncio.to_thread(run_tail, args, out, err))
+        await eventually(lambda: "commit" in out.getvalue(), "the first commit", 10)
+        # A handoff: the directory names the second node; the first lets go.
+        await Replication(db).assume_ownership("node-b", second.url.removeprefix("ws://"))
+        first.service.forwarder.close_all()
+        assert await asyncio.wait_for(printed, TIMEOUT) == 0, err.getvalue()
+        messages = [loads(line) for line in out.getvalue().splitlines()]
+        assert [m[2]["watermark"] for m in messages if m[0] == "commit"] == ["02", "03"]
+        assert [m[0] for m in messages].count("status") == 2  # one per connection
+    finally:
+        await db.dispose()
+        for s in servers:
+            await s.aclose()
+
+
+def test_discover_without_a_change_db_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("ZERO_CHANGE_DB", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main(["tail", "--discover"])
+    assert exited.value.code == 2
+    assert (
+        "--discover needs a change DB: name one, or set ZERO_CHANGE_DB" in capsys.readouterr().err
+    )
+
+
+async def test_discover_with_no_owner_gives_up_after_its_bound(tmp_path: Path) -> None:
+    directory = tmp_path / "cdc.db"
+    db = create_change_db(parse_change_db_url(str(directory)), Shard())
+    try:
+        await migrated(db)  # no owner
+    finally:
+        await db.dispose()
+    args = build_parser().parse_args(
+        ["tail", "--discover", str(directory), "--replica-version", "01", "--give-up-after", "0.3"]
+    )
+    out, err = io.StringIO(), io.StringIO()
+    code = await asyncio.wait_for(asyncio.to_thread(run_tail, args, out, err), TIMEOUT)
+    assert code == 1
+    assert err.getvalue() == ("changestreamer tail: discovery: no change-streamer is running\n")

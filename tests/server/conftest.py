@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +77,7 @@ async def start_server(
     auth: AdminAuth | None = None,
     per_message_deflate: bool = False,
     **options: Any,
-) -> AsyncIterator[Server]:
+) -> AsyncGenerator[Server, None]:
     """The service behind uvicorn with the protocols (and their bounds) `serve` uses
     (``per_message_deflate``: uvicorn's option, off in `serve`)."""
     db, source, service = await new_service(tmp_path, task_id="server-test", **options)
