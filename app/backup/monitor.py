@@ -6,11 +6,15 @@ watermark newer than the last it calls ``track`` (the service's
 repeated ones are ignored.
 
 **Coverage gate** (wire.md §4.3 [s000]): ``covered`` is set once a backed-up
-watermark reaches ``coverage_target``, the replica's ``stateVersion`` read when the
+watermark reaches ``coverage_target``: the replica's ``stateVersion`` read when the
 monitor starts — a destination that is being filled again from scratch reports
 real but old watermarks first, and a view-syncer restoring it then would be far
-behind. If the replica cannot be read the first watermark opens the gate, with a
-warning.
+behind — or ``coverage_floor`` (the change log's head when this node started) if
+that is newer. The floor is what makes a node that restored a backup prove its own
+backup works before it takes the log over: the backup it restored reaches its
+replica's position at once, but only the backup of a replica that followed the log
+reaches the log's head. If the replica cannot be read the first watermark opens the
+gate, with a warning.
 
 **Wedge alarm**: every ``check_interval_s`` the monitor compares the local
 position with the newest backed-up watermark. Behind for ``wedged_after_s``
@@ -46,7 +50,8 @@ class BackupMonitor:
         *,
         wedged_after_s: float,
         check_interval_s: float = DEFAULT_CHECK_INTERVAL_S,
-        on_coverage_target: Callable[[str], None] | None = None,
+        on_coverage_target: Callable[[str | None], None] | None = None,
+        coverage_floor: str = "",
         clock: Callable[[], float] = time.monotonic,
         backups: bool = True,
     ) -> None:
@@ -60,6 +65,7 @@ class BackupMonitor:
         self._check_interval_s = check_interval_s
         self._clock = clock
         self._on_coverage_target = on_coverage_target
+        self._coverage_floor = coverage_floor
         self.latest: BackedUpWatermark | None = None
         self.coverage_target: str | None = None
         self.covered = asyncio.Event()
@@ -73,14 +79,16 @@ class BackupMonitor:
         """Reads the stream until it ends; checks for a wedged backup meanwhile."""
         local = await asyncio.to_thread(self._read_local)
         self._local = local
-        self.coverage_target = local.watermark if local is not None else None
+        self.coverage_target = (
+            max(local.watermark, self._coverage_floor) if local is not None else None
+        )
         if self.coverage_target is None:
             log.warning("cannot read the replica's state: the first backup opens readiness")
-        else:
-            if self._backups:
-                log.info("waiting for a backup that covers the replica at %s", self.coverage_target)
-            if self._on_coverage_target is not None:
-                self._on_coverage_target(self.coverage_target)
+        elif self._backups:
+            log.info("waiting for a backup that covers the replica at %s", self.coverage_target)
+        if self._on_coverage_target is not None:
+            # /ready and the takeover wait for what this monitor waits for.
+            self._on_coverage_target(self.coverage_target)
         checker = asyncio.create_task(self._check_loop(), name="backup wedge check")
         try:
             async for backed_up in self._watermarks:

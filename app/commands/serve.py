@@ -31,6 +31,7 @@ from app.commands.startup import read_settings, start_logging
 from app.config import Settings
 from app.logs import final_line
 from app.replica.errors import ReplicaError
+from app.runtime import retirement
 from app.runtime.backups import (
     BackupConfigError,
     RestoreError,
@@ -53,13 +54,13 @@ from app.runtime.postgres import (
     prepare_upstream,
 )
 from app.server.admin_auth import AdminAuth, check_startup
-from app.server.app import create_app
+from app.server.app import create_app, retired_reason
 from app.server.http_protocol import GuardedHttpProtocol
 from app.server.log_lines import limit_lines
 from app.server.ws_protocol import LivenessProtocol
 from app.sources.demo import DemoChangeSource
 from app.stop_signals import AutoResetSignal
-from app.storage import ChangeDb, Replication, SubscriptionState
+from app.storage import ChangeDb, OwnershipLostError, Replication, SubscriptionState
 from app.streamer.service import ChangeStreamerService
 
 __all__ = ["demo_service", "discovery_address", "run_serve"]
@@ -129,6 +130,9 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     listen_host = host or settings.change_streamer_host
     listen_port = port or settings.listen_port
     address = discovery_address(settings, listen_host, listen_port)
+    still_retired = asyncio.run(_still_retired(settings, db))
+    if still_retired is not None:
+        return _serve_retired(settings, db, still_retired, host=listen_host, port=listen_port)
     prepared: PreparedUpstream | PreparedCustom | None = None
     if settings.upstream_db:
         try:
@@ -182,27 +186,103 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         built.append(service)
         return service
 
-    # httptools, with bounds on requests still arriving (app/server/http_protocol.py);
-    # /metrics shows what they did.
-    http_protocol = GuardedHttpProtocol.with_limits(
-        settings.max_pending_handshakes,
-        settings.handshake_timeout_s,
-        settings.max_handshakes_per_s,
-    )
+    http_protocol = _http_protocol(settings)
     app = create_app(
         db,
         service_factory=build_service,
         startup_delay_s=settings.startup_delay_ms / 1000,
         on_service_exit=shut_down,
-        auth=AdminAuth(settings.admin_password, settings.operator_password, settings.development),
+        auth=_admin_auth(settings),
         keepalive_timeout_s=(settings.keepalive_timeout_ms or 0) / 1000 or None,
         on_keepalive_expired=shut_down,
         connection_limits=http_protocol.limits,
+        on_retired=lambda lost: retirement.write(settings.replica_file, lost.owner),
     )
+    server = _Server(_uvicorn_config(settings, app, http_protocol, listen_host, listen_port))
+    tune_for_streaming()
+    return_large_frees()
+    try:
+        server.run()
+    finally:
+        if held is not None:
+            held.release()
+        before_exit()
+    failure = built[0].failure if built else None
+    if failure is None:
+        return 0
+    if isinstance(failure, OwnershipLostError):
+        final_line(f"{retired_reason(failure)}: this node stopped as asked")
+        return 0
+    if isinstance(failure, AutoResetSignal) and settings.auto_reset and prepared is not None:
+        return _AUTO_RESET
+    final_line(f"the change streamer stopped: {failure}")
+    return 1
+
+
+async def _still_retired(settings: Settings, db: ChangeDb) -> str | None:
+    """``/ready``'s reason when this node retired before (app/runtime/retirement.py)
+    and the change log's owner is alive; None otherwise (a stale note is removed)."""
+    noted = await asyncio.to_thread(retirement.read, settings.replica_file)
+    if noted is None:
+        return None
+    try:
+        state = await Replication(db).state()
+    finally:
+        await db.dispose()  # the server runs its own event loop and pools
+    alive = (
+        state is not None
+        and bool(state.owner_address)
+        and state.owner != settings.task_id
+        and await retirement.owner_alive(state.owner_address or "")
+    )
+    if alive:
+        assert state is not None
+        return (
+            f"retired: the change log is owned by {state.owner} "
+            f"({state.owner_address}), which took it over from this node"
+        )
+    log.info("this node retired before, but the change log's owner is gone: starting anew")
+    await asyncio.to_thread(retirement.clear, settings.replica_file)
+    return None
+
+
+def _serve_retired(settings: Settings, db: ChangeDb, reason: str, *, host: str, port: int) -> int:
+    """The server without a service: probes answer (``/ready`` 503 with ``reason``)
+    until the process is stopped."""
+    log.warning("%s; this node serves nothing and waits to be stopped", reason)
+    http_protocol = _http_protocol(settings)
+    app = create_app(
+        db, auth=_admin_auth(settings), connection_limits=http_protocol.limits, retired=reason
+    )
+    _Server(_uvicorn_config(settings, app, http_protocol, host, port)).run()
+    return 0
+
+
+def _http_protocol(settings: Settings) -> type[GuardedHttpProtocol]:
+    """httptools, with bounds on requests still arriving (app/server/http_protocol.py);
+    /metrics shows what they did."""
+    return GuardedHttpProtocol.with_limits(
+        settings.max_pending_handshakes,
+        settings.handshake_timeout_s,
+        settings.max_handshakes_per_s,
+    )
+
+
+def _admin_auth(settings: Settings) -> AdminAuth:
+    return AdminAuth(settings.admin_password, settings.operator_password, settings.development)
+
+
+def _uvicorn_config(
+    settings: Settings,
+    app: Any,
+    http_protocol: type[GuardedHttpProtocol],
+    host: str,
+    port: int,
+) -> uvicorn.Config:
     config = uvicorn.Config(
         app,
-        host=listen_host,
-        port=listen_port,
+        host=host,
+        port=port,
         ws_per_message_deflate=False,
         # uvicorn's sans-I/O websockets, with zero's liveness rule: a pong *or* any
         # inbound frame keeps a peer alive (app/server/ws_protocol.py).
@@ -221,22 +301,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
     limit_lines()  # after uvicorn configured its loggers (Config does)
-    server = _Server(config)
-    tune_for_streaming()
-    return_large_frees()
-    try:
-        server.run()
-    finally:
-        if held is not None:
-            held.release()
-        before_exit()
-    failure = built[0].failure if built else None
-    if failure is None:
-        return 0
-    if isinstance(failure, AutoResetSignal) and settings.auto_reset and prepared is not None:
-        return _AUTO_RESET
-    final_line(f"the change streamer stopped: {failure}")
-    return 1
+    return config
 
 
 def proxy_header_options(trusted_proxies: list[str]) -> dict[str, Any]:

@@ -214,24 +214,18 @@ def start_backups(
         service.backups.track,
         local,
         wedged_after_s=wedged_after_s,
-        on_coverage_target=lambda target: setattr(service.backups, "coverage_target", target),
+        on_coverage_target=service.backups.set_coverage_target,
+        # The change log's head as this node found it (its coverage target so far).
+        coverage_floor=service.backups.coverage_target or "",
         backups=runner is not None,
     )
     backups = Backups(monitor, runner, poller)
     service.backups.state = backups
 
     async def run_monitor() -> None:
-        # Purges check ownership: a watermark tracked before this task owns the
-        # change log would end in "ownership has been taken". Start once it owns it.
-        owning = asyncio.ensure_future(service.owning.wait())
-        stopped = asyncio.ensure_future(service.stopped.wait())
-        try:
-            await asyncio.wait({owning, stopped}, return_when="FIRST_COMPLETED")
-        finally:
-            owning.cancel()
-            stopped.cancel()
-        if not service.owning.is_set():
-            return
+        # From the start, not from the takeover: this node takes the change log over
+        # only once a backup covers its replica (the coverage gate). Until it owns
+        # the log the watermarks go no further than the gate (BackupWatch.activate).
         try:
             await monitor.run()
         except Exception:

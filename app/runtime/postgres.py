@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,8 @@ class PreparedUpstream:
     row: ReplicaRow
     # A reservation on the previous owner after a restore: released once we own the log.
     held_reservation: HeldReservation | None = None
+    # When the restore began (monotonic), if the replica was restored from the backup.
+    restore_started: float | None = None
 
 
 async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream:
@@ -97,8 +100,11 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
     replication = Replication(db)
     existing = await replication.config()
     reset_required = existing is not None and existing.reset_required
-    held = (
-        await _restore_if_missing(settings, replication, existing) if not reset_required else None
+    restore_started = time.monotonic()
+    held, restored = (
+        await _restore_if_missing(settings, replication, existing)
+        if not reset_required
+        else (None, False)
     )
     try:
         state, row = await _prepare_replica(
@@ -111,7 +117,7 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
         )
     except (ShardSetupError, InitialSyncError, psycopg.Error) as e:
         raise UpstreamSetupError(f"upstream {redacted_conninfo(upstream)}: {e}") from e
-    return PreparedUpstream(upstream, cfg, state, row, held)
+    return PreparedUpstream(upstream, cfg, state, row, held, restore_started if restored else None)
 
 
 async def postgres_service(
@@ -137,8 +143,11 @@ async def postgres_service(
         ),
         lag_report_interval_ms=settings.replication_lag_report_interval_ms,
     )
+    restore_s = (
+        time.monotonic() - prepared.restore_started if prepared.restore_started is not None else 0.0
+    )
     service = await service_over_replica(
-        settings, db, source, state, row.publications, address=address
+        settings, db, source, state, row.publications, address=address, restore_s=restore_s
     )
     log.info(
         "replicating %s through slot %s; replica %s at %s",
@@ -226,13 +235,14 @@ async def _prepare_replica(
 
 async def _restore_if_missing(
     settings: Settings, replication: Replication, existing: ReplicationConfig | None
-) -> HeldReservation | None:
+) -> tuple[HeldReservation | None, bool]:
     """A replacement node restores the backup instead of re-syncing (which would reset
-    the change log every view-syncer follows)."""
+    the change log every view-syncer follows). (The reservation held on the owner,
+    whether the replica was restored.)"""
     state = await replication.state()
     owner = state.owner_address if state is not None and state.owner != settings.task_id else None
     try:
-        _restored, held = await restore_if_missing(
+        restored, held = await restore_if_missing(
             settings,
             replica_version=existing.replica_version if existing is not None else None,
             owner_address=owner,
@@ -241,8 +251,8 @@ async def _restore_if_missing(
         if not settings.auto_reset:
             raise UpstreamSetupError(f"{e}; enable ZERO_AUTO_RESET to re-sync instead") from e
         log.warning("%s: re-syncing the replica from upstream instead (ZERO_AUTO_RESET)", e)
-        return None
-    return held
+        return None, False
+    return held, restored is not None
 
 
 async def _check(upstream: str, cfg: ShardConfig, replica_version: str) -> ReplicaRow:

@@ -9,6 +9,7 @@ so backups copy a current file and ``changestreamer replicate`` can start from o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,28 +39,26 @@ class ReplicaRuntime:
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def start_backup(self, change_db_url: str, shard: Shard, *, log_level: str = "warning") -> None:
-        """Keeps the replica file current from the change log in a child process, once
-        the service owns the log; it stops with the service."""
+        """Keeps the replica file current from the change log in a child process, from
+        now on: before this node owns the log it follows the owner's writes (a node
+        about to take over brings its restored replica, and so its backup, forward
+        first); it stops with the service."""
         follower = ReplicaFollower(self.replica_file, change_db_url, shard, log_level=log_level)
         service = self.service
         service.durable_listeners.append(follower.notify)
 
         async def follow() -> None:
-            owning = asyncio.ensure_future(service.owning.wait())
             stopped = asyncio.ensure_future(service.stopped.wait())
-            await asyncio.wait({owning, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            owning.cancel()
-            if not stopped.done():
-                run = asyncio.ensure_future(follower.run())
-                await asyncio.wait({run, stopped}, return_when=asyncio.FIRST_COMPLETED)
-                await follower.stop()
-                if await run:
-                    # As a backup subscriber that is behind the log would: reset.
-                    service.fail(
-                        AutoResetSignal(
-                            f"the change log cannot bring replica {self.replica_file} forward"
-                        )
+            run = asyncio.ensure_future(follower.run())
+            await asyncio.wait({run, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            await follower.stop()
+            if await run:
+                # As a backup subscriber that is behind the log would: reset.
+                service.fail(
+                    AutoResetSignal(
+                        f"the change log cannot bring replica {self.replica_file} forward"
                     )
+                )
             stopped.cancel()
 
         task = asyncio.create_task(follow(), name="replica-follower")
@@ -79,9 +78,11 @@ async def service_over_replica(
     publications: Sequence[str],
     *,
     address: str,
+    restore_s: float = 0.0,
 ) -> ChangeStreamerService:
     """The service over ``source``, its change DB tied to ``replica`` first (kept, or
-    reset when it belongs to another replica: ``ensureReplicationConfig``)."""
+    reset when it belongs to another replica: ``ensureReplicationConfig``).
+    ``restore_s``: how long restoring ``replica`` from the backup took, until now."""
     replication = Replication(db)
     await replication.ensure_config(
         SubscriptionState(
@@ -99,6 +100,6 @@ async def service_over_replica(
         address=address,
         replica_version=replica.replica_version,
         durable_watermark=durable.last_watermark,
-        options=streamer_options(settings),
+        options=dataclasses.replace(streamer_options(settings), restore_s=restore_s),
         taking_over=durable.owner not in (None, "", task),
     )

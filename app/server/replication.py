@@ -132,10 +132,15 @@ def router(get_service: Callable[[], ChangeStreamerService]) -> APIRouter:
 
     async def admitted(websocket: WebSocket) -> bool:
         refusal = access().check(websocket.scope)
-        if refusal is None:
-            return True
-        await _deny(websocket, refusal.status, refusal.reason, refusal.headers)
-        return False
+        if refusal is not None:
+            await _deny(websocket, refusal.status, refusal.reason, refusal.headers)
+            return False
+        if get_service().stopped.is_set():
+            # Retired (another node owns the change log) or stopping: a refused
+            # upgrade, so that clients try again, and in discover mode find the owner.
+            await _deny(websocket, 503, "this change-streamer has stopped", {})
+            return False
+        return True
 
     async def changes(websocket: WebSocket) -> None:
         if not await admitted(websocket):

@@ -109,7 +109,7 @@ class ChangeLog:
             try:
                 current = await self._fast.begin_write(conn)
                 if current != owner:
-                    raise OwnershipLostError(f"changeLog ownership has been assumed by {current}")
+                    raise OwnershipLostError(current)
                 tx = WriteTransaction(conn, self._fast)
                 yield tx
                 await self._fast.commit_write(conn, tx._last_watermark)
@@ -141,7 +141,7 @@ class ChangeLog:
             async with self._db.writer.connect() as conn:
                 current = await self._fast.commit_rows_sqlite(conn, owner, rows, last_watermark)
         if current != owner:
-            raise OwnershipLostError(f"changeLog ownership has been assumed by {current}")
+            raise OwnershipLostError(current)
 
     async def read(
         self,
@@ -257,7 +257,8 @@ async def _verify_purge_owner(
     current = await conn.scalar(stmt)
     if current != owner:
         raise OwnershipLostError(
-            f"aborting changeLog purge to {purge_to} because ownership has been taken by {current}"
+            current,
+            f"aborting changeLog purge to {purge_to} because ownership has been taken by {current}",
         )
 
 

@@ -33,6 +33,10 @@ class ChangeTooLargeError(AbortError):
 class OwnershipLostError(AbortError):
     """Another change-streamer has assumed ownership of the change log."""
 
+    def __init__(self, owner: str | None, message: str | None = None) -> None:
+        super().__init__(message or f"changeLog ownership has been assumed by {owner}")
+        self.owner = owner  # the task that owns it now
+
 
 class PurgeLockedError(StorageError):
     """A purge found the change log locked by a replica restore; try later."""

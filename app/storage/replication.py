@@ -65,6 +65,7 @@ class StartParameters:
 
     last_watermark: str
     backfill_requests: list[dict[str, Any]]
+    owner: str | None  # who owns the change log as of this snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,10 +237,14 @@ class Replication:
                 await conn.exec_driver_sql(
                     "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"
                 )
-            last = await conn.scalar(select(replication_state.c.lastWatermark))
-            if last is None:
+            row = (
+                await conn.execute(
+                    select(replication_state.c.lastWatermark, replication_state.c.owner)
+                )
+            ).first()
+            if row is None or row[0] is None:
                 raise RuntimeError("the change DB is not initialized (no replicationState row)")
-            return StartParameters(last, await backfill_requests(conn))
+            return StartParameters(row[0], await backfill_requests(conn), row[1])
 
     async def change_log_state(self) -> ChangeLogState:
         """The replica version and the oldest watermark a subscriber can resume from."""

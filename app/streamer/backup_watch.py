@@ -9,13 +9,20 @@ The storer's durable commits come in through ``on_durable``: the last
 and a subscriber's ack lag (``durable_wait_s``); the coarse ``commit_clock`` gives
 the purger its time-based retention floor.
 
-``covered`` is ``/ready``'s gate: with backups configured, a backup must reach
-``coverage_target`` (the change log's durable position when this task started,
-until the monitor reads the replica's) before a view-syncer may restore from it.
+``covered`` is ``/ready``'s gate and the takeover's: with backups configured, a
+backup must reach ``coverage_target`` (the change log's durable position when this
+task started, until the monitor reads the replica's; None when the monitor cannot
+read it, and then the first backup opens the gate, as the monitor has it) before a
+view-syncer may restore from it, and before this node takes the change log over.
+
+Backups are watched from the start, but the listeners hear of them only once this
+task owns the change log (``activate``): a node that does not own it yet must not
+purge, ack or confirm anything (a purge checks ownership and would stop it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import os
 from collections import deque
@@ -47,7 +54,7 @@ class BackupWatch:
         *,
         backup_url: str | None,
         replica_file: str | None,
-        coverage_target: str,
+        coverage_target: str | None,
         clock: Callable[[], float],
         retention_s: float = 0.0,
     ) -> None:
@@ -64,6 +71,9 @@ class BackupWatch:
         self.commit_clock = CommitClock(retention_s, clock) if retention_s > 0 else None
         self._clock = clock
         self._durable_at: deque[tuple[str, float]] = deque(maxlen=DURABLE_HISTORY)
+        self._active = False  # listeners hear of watermarks (this task owns the log)
+        self._covered = asyncio.Event()
+        self._check_covered()
 
     def on_durable(self, watermark: str) -> None:
         """The storer made the commit at ``watermark`` durable."""
@@ -75,14 +85,41 @@ class BackupWatch:
         """A backup holds everything up to ``watermark``."""
         if self.watermark is None or watermark > self.watermark:
             self.watermark = watermark
-        for listener in self.listeners:
-            listener(watermark)
+        self._check_covered()
+        if self._active:
+            for listener in self.listeners:
+                listener(watermark)
+
+    def activate(self) -> None:
+        """This task owns the change log now: the listeners hear of the newest
+        watermark at once, and of every one after it."""
+        self._active = True
+        if self.watermark is not None:
+            for listener in self.listeners:
+                listener(self.watermark)
+
+    def set_coverage_target(self, target: str | None) -> None:
+        """The replica's position the gate waits for (None: the first backup)."""
+        self.coverage_target = target
+        self._check_covered()
 
     def covered(self) -> bool:
-        """No backups configured, or one has reached the coverage target."""
-        if self.backup_url is None:
-            return True
-        return self.watermark is not None and self.watermark >= self.coverage_target
+        """No backups configured, or one has reached the coverage target (once it
+        has, the gate stays open)."""
+        return self._covered.is_set()
+
+    async def wait_covered(self) -> None:
+        """Returns once :meth:`covered` is true."""
+        await self._covered.wait()
+
+    def _check_covered(self) -> None:
+        if self._covered.is_set():
+            return
+        reached = self.watermark is not None and (
+            self.coverage_target is None or self.watermark >= self.coverage_target
+        )
+        if self.backup_url is None or reached:
+            self._covered.set()
 
     def problem(self) -> str | None:
         """Why the backups are not healthy (wedged), or None."""

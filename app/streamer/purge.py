@@ -18,9 +18,9 @@ that just lost their connection time to come back and expose their position befo
 anything they need is deleted. ``delay_s`` may be a callable: the service grows it
 to the longest time a snapshot reservation took from open to subscribe (seed 001),
 so a view-syncer that started restoring an older backup still finds its changes.
-``paused`` (also a callable) returns why purging must wait — while any snapshot
-reservation is open nothing is purged — and the pass is retried a delay later.
-Purges never overlap: they run in one task.
+An open reservation holds the floor at its own watermark, not purging as a whole:
+with many view-syncers restoring in turn, a pause while any is open would never
+end. Purges never overlap: they run in one task.
 
 ``floor`` and ``floor_holder`` say where the last backup-path pass put the floor
 and which constraint held it there (for ``/statz`` and metrics).
@@ -90,7 +90,6 @@ class Purger:
         timers: Timers,
         *,
         delay_s: float | Callable[[], float] = CLEANUP_DELAY_S,
-        paused: Callable[[], str | None] = lambda: None,
         named_acks: Callable[[], Iterable[tuple[str, str]]] | None = None,
         retention: CommitClock | None = None,
         backup_name: str = "backup",
@@ -102,7 +101,6 @@ class Purger:
         self._reserved = reserved_watermarks
         self._timers = timers
         self._delay = delay_s if callable(delay_s) else (lambda: float(delay_s))
-        self._paused = paused
         self._named_acks = named_acks
         self._retention = retention
         self._backup_name = backup_name  # what the tracked watermark is, for floor_holder
@@ -176,11 +174,6 @@ class Purger:
     async def _purge_to_backup_floor(self) -> None:
         backup = self._backup
         assert backup is not None  # armed only once a backup watermark is known
-        reason = self._paused()
-        if reason is not None:
-            self.floor_holder = reason
-            self._log.info("change log purge paused: %s", reason)
-            return
         candidates = [
             (backup, self._backup_name),
             *self._acks_with_names(),

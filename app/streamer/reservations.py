@@ -260,16 +260,8 @@ class SnapshotReservations:
 
     @property
     def open_tasks(self) -> list[str]:
-        """Tasks holding an open reservation (purging waits while there are any)."""
+        """Tasks holding an open reservation."""
         return list(self._by_task)
-
-    def purge_pause_reason(self) -> str | None:
-        """Why purging must wait (the ``Purger``'s ``paused``): a view-syncer restoring
-        a backup must still find the changes after it; None when nothing is open."""
-        tasks = self.open_tasks
-        if tasks:
-            return f"snapshot reservation open for {', '.join(sorted(tasks))}"
-        return None
 
     def is_open(self, task_id: str) -> bool:
         """Whether ``task_id`` holds an open reservation (for /statz and tests)."""

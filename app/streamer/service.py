@@ -48,7 +48,7 @@ from app.protocol.messages import (
 from app.protocol.subscription_messages import SYNTHETIC_ROLLBACK_JSON
 from app.sources.base import ChangeSource, ChangeStream, SourceMetric
 from app.stop_signals import AbortError, AutoResetSignal
-from app.storage import ChangeDb, ChangeLog, ChangeLogState, Replication
+from app.storage import ChangeDb, ChangeLog, ChangeLogState, OwnershipLostError, Replication
 from app.streamer.acker import UpstreamAcker
 from app.streamer.backup_watch import BackupWatch
 from app.streamer.downstream import DEFAULT_MAX_UNCONSUMED_BYTES, Downstream
@@ -151,6 +151,9 @@ class StreamerOptions:
     replica_file: str | None = None
     # Before purging to a backed-up watermark, wait at least this long.
     purge_delay_s: float = CLEANUP_DELAY_S
+    # How long this node's own restore took, up to the service's start: the first
+    # cleanup delay (seed 001), so replicas restored beside it still catch up.
+    restore_s: float = 0.0
     # Keep at least this much recent change log, whatever else allows (0: off).
     change_log_retention_s: float = 0.0
     # Change text of the last durable transactions kept in memory for catch-ups
@@ -230,11 +233,16 @@ class ChangeStreamerService:
             self.forwarder.acks,
             self.reservations.reserved_watermarks,
             self._timers,
-            # Grown to the longest reservation → subscribe time seen (seed 001), and
-            # paused while any reservation is open: a view-syncer restoring an older
-            # backup must still find the changes after it.
-            delay_s=lambda: max(self.options.purge_delay_s, self.reservations.longest_completed_s),
-            paused=self.reservations.purge_pause_reason,
+            # Grown to the longest reservation → subscribe time seen, starting from how
+            # long this node's own restore took (seed 001): a view-syncer restoring an
+            # older backup must still find the changes after it. Each open
+            # reservation holds the floor at its own watermark (reserved_watermarks),
+            # so a steady trickle of restores does not stop purging altogether.
+            delay_s=lambda: max(
+                self.options.purge_delay_s,
+                self.options.restore_s,
+                self.reservations.longest_completed_s,
+            ),
             named_acks=self.forwarder.named_acks,
             retention=self.backups.commit_clock,
             # Without backups the tracked watermark is the local replica's position.
@@ -287,6 +295,7 @@ class ChangeStreamerService:
             last = await self.replication.assume_ownership(self.task_id, self._address)
             self.storer.owned(last)
             self.owning.set()
+            self.backups.activate()  # purges, acks and reservations hear of backups now
             while not self._stopped.is_set():
                 error = await self._stream_once()
                 if self._stopped.is_set():
@@ -350,7 +359,9 @@ class ChangeStreamerService:
 
     def _on_fatal(self, error: BaseException) -> None:
         async def stop_and_flag() -> None:
-            if isinstance(error, AutoResetSignal):
+            # Only the owner speaks for the change log: a node that has not taken it
+            # over (or has lost it) must not flag a reset in a log others serve.
+            if isinstance(error, AutoResetSignal) and self.owning.is_set():
                 with contextlib.suppress(Exception):
                     await self.replication.set_reset_required()
             await self.stop(error)
@@ -370,6 +381,10 @@ class ChangeStreamerService:
         error: BaseException | None = None
         try:
             params = await self.replication.start_parameters()
+            if params.owner != self.task_id:
+                # Another node took the change log over (and with it the slot): a
+                # stream started now would take the slot back from it.
+                raise OwnershipLostError(params.owner)
             self.storer.reset_for_stream(params.last_watermark)
             stream = await self._source.start_stream(
                 params.last_watermark, params.backfill_requests
@@ -672,6 +687,10 @@ class ChangeStreamerService:
                 f"current replica version is {self.replica_version} "
                 f"(requested {ctx.replica_version})",
             )
+            if ctx.task_id is not None:
+                # Its restore is over, whatever it restored: the reservation would
+                # otherwise hold the purge floor until its cap.
+                self.reservations.close_for_task(ctx.task_id)
             return downstream
         # One line at each end of a subscription, as zero-cache logs them; explicit
         # fields, since whoever closes the channel may run in another task.

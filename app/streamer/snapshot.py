@@ -69,7 +69,7 @@ class LoopLagSnapshot:
 class BackupSnapshot:
     url: str | None  # as configured, credentials included: pages redact it
     watermark: str | None
-    coverage_target: str
+    coverage_target: str | None
     covered: bool
     problem: str | None
     lag_s: float | None  # how long the oldest commit no backup holds has been durable

@@ -144,16 +144,8 @@ def problem(monitor: BackupMonitor) -> str | None:
     return monitor.problem
 
 
-async def test_the_monitor_tracks_newer_watermarks_only_and_opens_the_gate_at_coverage() -> None:
-    tracked: list[str] = []
-    targets: list[str] = []
-    monitor = BackupMonitor(
-        _stream([w("03"), w("05"), w("04"), w("05"), w("07"), w("09")]),
-        tracked.append,
-        lambda: LocalState("07"),
-        wedged_after_s=60,
-        on_coverage_target=targets.append,
-    )
+def where_the_gate_opens(monitor: BackupMonitor) -> list[str]:
+    """The watermark whose offer opened ``monitor``'s coverage gate (empty until then)."""
     covered_at: list[str] = []
     original = monitor.offer
 
@@ -163,20 +155,64 @@ async def test_the_monitor_tracks_newer_watermarks_only_and_opens_the_gate_at_co
             covered_at.append(backed_up.watermark)
 
     monitor.offer = offer  # type: ignore[method-assign]
+    return covered_at
+
+
+async def test_the_monitor_tracks_newer_watermarks_only_and_opens_the_gate_at_coverage() -> None:
+    tracked: list[str] = []
+    targets: list[str | None] = []
+    monitor = BackupMonitor(
+        _stream([w("03"), w("05"), w("04"), w("05"), w("07"), w("09")]),
+        tracked.append,
+        lambda: LocalState("07"),
+        wedged_after_s=60,
+        on_coverage_target=targets.append,
+    )
+    covered_at = where_the_gate_opens(monitor)
     await monitor.run()
     assert tracked == ["03", "05", "07", "09"]  # older and repeated ones ignored
     assert targets == ["07"]
     assert covered_at == ["07"]  # not at the first watermark: at the replica's position
 
 
+@pytest.mark.parametrize(("replica", "floor", "target"), [("05", "07", "07"), ("09", "07", "09")])
+async def test_the_gate_waits_for_the_replica_or_the_log_head_whichever_is_newer(
+    replica: str, floor: str, target: str
+) -> None:
+    # A node that restored a backup has a replica at the backup's position at once;
+    # only its own backup of the replica that followed the log reaches the log head.
+    targets: list[str | None] = []
+    monitor = BackupMonitor(
+        _stream([w("05"), w("06"), w("07"), w("08"), w("09")]),
+        lambda _: None,
+        lambda: LocalState(replica),
+        wedged_after_s=60,
+        on_coverage_target=targets.append,
+        coverage_floor=floor,
+    )
+    covered_at = where_the_gate_opens(monitor)
+    await monitor.run()
+    assert targets == [target]
+    assert covered_at == [target]
+
+
 async def test_an_unreadable_replica_opens_the_gate_at_the_first_watermark(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monitor = BackupMonitor(_stream([w("02")]), lambda _: None, lambda: None, wedged_after_s=60)
+    targets: list[str | None] = []
+    monitor = BackupMonitor(
+        _stream([w("02")]),
+        lambda _: None,
+        lambda: None,
+        wedged_after_s=60,
+        on_coverage_target=targets.append,
+    )
     with caplog.at_level(logging.WARNING):
         await monitor.run()
     assert monitor.covered.is_set()
     assert any("first backup opens readiness" in r.getMessage() for r in caplog.records)
+    # /ready and the takeover are told the same: no target, the first backup will do.
+    assert targets == [None]
 
 
 def test_a_backup_behind_the_replica_for_too_long_is_wedged_until_it_moves() -> None:

@@ -21,14 +21,18 @@ from .conftest import REPLICA_VERSION, TIMEOUT, Server, txn, wait_until
 async def reserve(
     server: Server, task_id: str = "t1", *, backed_up: str = "02"
 ) -> tuple[SnapshotStatus, SnapshotFollowup]:
-    """Reserves; stores a transaction and confirms a backup of it so the status comes."""
+    """Reserves; a backup at ``backed_up`` (which also opens the coverage gate, so
+    the stream starts) confirms it, and the transaction there is stored."""
     client = ChangeStreamerClient(server.url)
     reserving = asyncio.create_task(client.reserve_snapshot(task_id))
+    await wait_until(
+        lambda: server.service.reservations.is_open(task_id), "the reservation to open"
+    )
+    server.service.backups.track(backed_up)
     stream = await asyncio.wait_for(server.source.wait_for_stream(), TIMEOUT)
     if server.service.storer.durable < backed_up:
         stream.push_all(txn(backed_up))
         await asyncio.wait_for(server.service.storer.wait_durable(backed_up), TIMEOUT)
-    server.service.backups.track(backed_up)
     return await asyncio.wait_for(reserving, TIMEOUT)
 
 

@@ -66,12 +66,16 @@ async def next_change(conn: V7Connection) -> SubscriptionMessage:
 
 
 async def reserve(server: Server, task_id: str = "t1") -> tuple[SnapshotStatus, Any]:
-    """Reserves over v7; stores 02 and confirms a backup of it so ``reserved`` comes."""
+    """Reserves over v7; a backup at 02 (which also opens the coverage gate, so the
+    stream starts) confirms it so ``reserved`` comes, and 02 is stored."""
     reserving = asyncio.create_task(v7(server).reserve_snapshot(task_id))
+    await wait_until(
+        lambda: server.service.reservations.is_open(task_id), "the reservation to open"
+    )
+    server.service.backups.track("02")
     stream = await asyncio.wait_for(server.source.wait_for_stream(), TIMEOUT)
     stream.push_all(txn("02"))
     await asyncio.wait_for(server.service.storer.wait_durable("02"), TIMEOUT)
-    server.service.backups.track("02")
     return await asyncio.wait_for(reserving, TIMEOUT)
 
 
@@ -137,6 +141,7 @@ async def test_frames_are_acked_only_after_their_messages_were_consumed(
     backup_server: Server,
 ) -> None:
     server = backup_server
+    server.service.backups.track(REPLICA_VERSION)  # a backup: the stream may start
     async with await v7(server).subscribe(ctx(task_id="t1")) as sub:
         assert isinstance(await next_of(sub), DownstreamStatus)
         stream = await asyncio.wait_for(server.source.wait_for_stream(), TIMEOUT)

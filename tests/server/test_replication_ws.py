@@ -259,6 +259,10 @@ async def test_a_snapshot_reservation_streams_its_status_and_ends_on_subscribe(
 ) -> None:
     async for server in start_server(tmp_path, backup_url="file:///backups/r"):
         async with connect(f"{server.url}/replication/v6/snapshot?taskID=t1") as snap:
+            # No backup yet: the coverage gate holds the stream back, and the
+            # reservation waits for one.
+            assert server.source.start_calls == []
+            server.service.backups.track("01")
             stream = await asyncio.wait_for(server.source.wait_for_stream(), 10)
             stream.push_all(txn("02"))
             await asyncio.wait_for(server.service.storer.wait_durable("02"), 10)
@@ -272,7 +276,7 @@ async def test_a_snapshot_reservation_streams_its_status_and_ends_on_subscribe(
                         "tag": "status",
                         "backupURL": "file:///backups/r",
                         "replicaVersion": "01",
-                        "minWatermark": "02",
+                        "minWatermark": "01",  # the backup that opened the gate
                     },
                 ],
             }

@@ -22,6 +22,9 @@ BACKUP_URL = "file:///backups/replica"
 @pytest.fixture
 async def backed_up(tmp_path: Path) -> Any:
     async for server in start_server(tmp_path, backup_url=BACKUP_URL):
+        # A backup of the replica exists: the coverage gate is open (the stream may
+        # start), and reservations are confirmed at it.
+        server.service.backups.track("01")
         yield server
 
 
@@ -82,9 +85,6 @@ async def test_reserve_restore_then_subscribe_on_one_socket(backed_up: Server) -
         stream = await asyncio.wait_for(
             server.source.wait_for_stream(), 10
         )  # a reservation starts it
-        stream.push_all(txn("02"))
-        await asyncio.wait_for(server.service.storer.wait_durable("02"), 10)
-        server.service.backups.track("02")
         reserved = await client.frame()
         assert reserved["msg"] == [
             "reserved",
@@ -92,11 +92,14 @@ async def test_reserve_restore_then_subscribe_on_one_socket(backed_up: Server) -
                 "tag": "snapshot",
                 "backupURL": BACKUP_URL,
                 "replicaVersion": "01",
-                "minWatermark": "02",
+                "minWatermark": "01",  # the backup there is
             },
         ]
         assert client.acks == [1]  # the server acked our reserve-snapshot
         await ws.send(dumps({"ack": reserved["id"]}))
+        stream.push_all(txn("02"))  # the backup moves on while the client restores
+        await asyncio.wait_for(server.service.storer.wait_durable("02"), 10)
+        server.service.backups.track("02")
         # ... the client restores the backup at 02, then subscribes on the same socket.
         await client.send(start("02", extra_field_for_the_future=True))
         stream.push_all(txn("03", 2))

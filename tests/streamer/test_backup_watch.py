@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from app.streamer.backup_watch import DURABLE_HISTORY, BackupWatch
@@ -25,6 +27,7 @@ def test_each_backed_up_watermark_reaches_every_listener_in_order_even_an_older_
     w = watch(Clock())
     heard: list[tuple[str, str]] = []
     w.listeners += [lambda m: heard.append(("a", m)), lambda m: heard.append(("b", m))]
+    w.activate()
     w.track("07")
     w.track("06")  # older: the listeners deduplicate, the watch keeps the newest
     assert heard == [("a", "07"), ("b", "07"), ("a", "06"), ("b", "06")]
@@ -37,8 +40,44 @@ def test_without_backups_the_gate_is_open_with_them_a_backup_must_reach_the_targ
     assert not w.covered()
     w.track("04")
     assert not w.covered()
-    w.coverage_target = "04"  # the monitor read the replica's position
+    w.set_coverage_target("04")  # the monitor read the replica's position
     assert w.covered()
+
+
+def test_before_this_task_owns_the_log_backups_reach_the_gate_but_no_listener() -> None:
+    # Purges, acks and reservation confirmations are the owner's: a node waiting to
+    # take over only watches the gate. Taking over hands the listeners the newest.
+    w = watch(Clock())
+    heard: list[str] = []
+    w.listeners.append(heard.append)
+    w.track("04")
+    w.track("06")
+    assert heard == []
+    assert w.covered()
+    w.activate()
+    assert heard == ["06"]
+    w.track("08")
+    assert heard == ["06", "08"]
+
+
+def test_without_a_replica_position_the_first_backup_opens_the_gate() -> None:
+    w = watch(Clock())
+    w.set_coverage_target(None)  # the monitor could not read the replica
+    assert not w.covered()
+    w.track("01")
+    assert w.covered()
+
+
+async def test_wait_covered_returns_once_the_gate_opens_and_stays_open() -> None:
+    w = watch(Clock())
+    waiter = asyncio.ensure_future(w.wait_covered())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    w.track("05")
+    await asyncio.wait_for(waiter, 1)
+    w.set_coverage_target("09")  # the gate does not close again
+    assert w.covered()
+    await asyncio.wait_for(w.wait_covered(), 1)
 
 
 def test_a_subscriber_s_ack_lag_is_the_wait_of_the_oldest_durable_commit_after_it() -> None:

@@ -233,7 +233,7 @@ async def test_a_failing_constraint_does_not_stop_purging() -> None:
 
 
 async def test_ownership_loss_goes_to_on_fatal_and_stops_purging(world: World) -> None:
-    lost = OwnershipLostError("ownership has been taken by task-b")
+    lost = OwnershipLostError("task-b", "ownership has been taken by task-b")
     world.purge.errors[:] = [lost]
     world.acks[:] = ["09"]
     world.purger.track_backup_watermark("05")
@@ -334,25 +334,36 @@ async def test_purges_a_real_change_log_but_keeps_the_newest_transaction(
         await db.dispose()
 
 
-# -- reservations pause purging; the delay grows; the floor is named ------------------
+# -- reservations hold the floor each at its own; the delay grows; the floor is named --
 
 
-async def test_a_paused_purger_deletes_nothing_and_tries_again_a_delay_later() -> None:
+async def test_open_reservations_each_hold_the_floor_at_their_own_watermark() -> None:
+    # View-syncers restoring one after the other: while any is open the log still
+    # shrinks, to the oldest watermark one of them still needs.
     timers = ManualTimers()
     purge = FakePurge()
-    reason: list[str] = ["snapshot reservation open for t1"]
-    purger = Purger(purge, lambda: [], list, timers, paused=lambda: reason[0] if reason else None)
+    reserved: list[str] = ["03"]
+    purger = Purger(purge, lambda: [], lambda: list(reserved), timers)
     try:
         purger.track_backup_watermark("05")
         timers.advance(CLEANUP_DELAY_S)
         await purger.idle()
-        assert purge.calls == []
-        assert purger.floor_holder == "snapshot reservation open for t1"
-        reason.clear()  # the reservation ended
+        assert purge.calls == ["03"]
+        assert (purger.floor, purger.floor_holder) == ("03", "reservation")
+        reserved[:] = ["07", "04"]  # the first subscribed; two more restore
+        purger.track_backup_watermark("09")
         timers.advance(CLEANUP_DELAY_S)
         await purger.idle()
-        assert purge.calls == ["05"]
-        assert (purger.floor, purger.floor_holder) == ("05", "backup")
+        assert purge.calls == ["03", "04"]
+        reserved[:] = ["07", "08"]
+        timers.advance(CLEANUP_DELAY_S)  # level-triggered: the backup is still ahead
+        await purger.idle()
+        assert purge.calls == ["03", "04", "07"]
+        reserved.clear()
+        timers.advance(CLEANUP_DELAY_S)
+        await purger.idle()
+        assert purge.calls == ["03", "04", "07", "09"]
+        assert (purger.floor, purger.floor_holder) == ("09", "backup")
     finally:
         await purger.stop()
 

@@ -26,6 +26,7 @@ from app.storage import (
 )
 from app.streamer import loop_lag
 from app.streamer.downstream import Downstream
+from app.streamer.reservations import Reservation
 from app.streamer.service import (
     FLUSH_THRESHOLD,
     ChangeStreamerService,
@@ -571,9 +572,9 @@ async def test_snapshot_reservation_needs_backups(svc: Service) -> None:
         svc.service.start_snapshot_reservation("task-1")
 
 
-async def test_a_reservation_is_confirmed_at_the_backup_and_closed_by_the_subscription(
-    change_db: ChangeDb,
-) -> None:
+async def reserved_at_03(change_db: ChangeDb) -> tuple[Service, Reservation, str]:
+    """A service with backups, 02 and 03 stored, and task-1's reservation confirmed
+    at a backup of 03: the service, the reservation and its status."""
     s = Service(change_db, backup_url="file:///backups/replica")
     stream = await s.stream()
     stream.push_all([*txn("02"), *txn("03")])
@@ -581,6 +582,13 @@ async def test_a_reservation_is_confirmed_at_the_backup_and_closed_by_the_subscr
     reservation = s.service.start_snapshot_reservation("task-1")
     s.service.backups.track("03")
     status = await asyncio.wait_for(anext(aiter(reservation)), 10)
+    return s, reservation, status
+
+
+async def test_a_reservation_is_confirmed_at_the_backup_and_closed_by_the_subscription(
+    change_db: ChangeDb,
+) -> None:
+    s, reservation, status = await reserved_at_03(change_db)
     assert loads(status) == [
         "status",
         {
@@ -596,6 +604,22 @@ async def test_a_reservation_is_confirmed_at_the_backup_and_closed_by_the_subscr
     )
     await asyncio.wait_for(reservation.closed, 10)
     assert reservation.outcome == "completed"
+    await s.stop()
+
+
+async def test_a_reservation_ends_when_its_task_subscribes_at_a_wrong_replica_version(
+    change_db: ChangeDb,
+) -> None:
+    # Its restore is over, and it will not catch up here: nothing should stay held.
+    s, reservation, _ = await reserved_at_03(change_db)
+    assert s.service.reservations.reserved_watermarks() == ["03"]
+    downstream = s.service.subscribe(
+        SubscriberContext(6, "restored", "serving", "00", "03", task_id="task-1")
+    )
+    await asyncio.wait_for(reservation.closed, 10)
+    assert s.service.reservations.reserved_watermarks() == []
+    assert not s.service.reservations.is_open("task-1")
+    assert downstream is not None
     await s.stop()
 
 

@@ -1,0 +1,286 @@
+"""A replication-manager replaced by another, node by node, on a shared Postgres
+change DB (issue 28): each node a ``serve`` process, backups to a local directory.
+
+B starts with no replica: it restores A's backup under a reservation on A, follows
+the log, waits for the coverage gate and takes the change log over; A retires (it
+stays up, not ready, until it is stopped). A subscriber of ours in discover mode
+follows the change log from A to B to C and sees every writer transaction exactly
+once; the new owner's replica equals Postgres; a restarted A does not take the log
+back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from app.client import ChangeStreamerClient, ResumingSubscription, SubscriptionContext
+from app.client.discovery import discovering
+from app.protocol.messages import Data
+from app.runtime import retirement
+from app.storage import Shard
+from tests.pgdb import scratch_database
+from tests.serve_pg.conftest import (
+    APP_ID,
+    SERVE,
+    Serve,
+    ServeFactory,
+    Writer,
+    create_workload_schema,
+    eventually,
+    pg_rows,
+    replica_versions,
+    wait_until_replica_matches,
+)
+from tests.serve_pg.test_backups import backup_env, cli, ready_status
+from tests.waiting import stays
+
+_SETTINGS = ("ZERO_", "CHANGESTREAMER_")
+
+
+@pytest.fixture
+async def change_db(pg_url: str) -> AsyncIterator[str]:
+    """The change DB every node shares (as zero's nodes share ``ZERO_CHANGE_DB``)."""
+    name = "hpf_handoff_cdb"
+    async with scratch_database(pg_url, name):
+        yield pg_url.rsplit("/", 1)[0] + "/" + name
+
+
+def node(
+    serve_factory: ServeFactory, upstream: str, change_db: str, backup: str, task: str
+) -> Serve:
+    return serve_factory(
+        upstream,
+        **backup_env(
+            backup,
+            ZERO_TASK_ID=task,
+            ZERO_CHANGE_DB=change_db,
+            # A subscriber that is between two nodes must still find its changes.
+            CHANGESTREAMER_PURGE_DELAY_SECONDS="60",
+        ),
+    )
+
+
+async def owner(change_db: str) -> str | None:
+    rows = await pg_rows(change_db, f'SELECT owner FROM "{APP_ID}_0/cdc"."replicationState"')
+    return rows[0][0] if rows else None
+
+
+class Follower:
+    """Our subscriber in discover mode: the writer's sequence numbers it saw, in order."""
+
+    def __init__(self, change_db: str, replica_version: str) -> None:
+        connect = discovering(change_db, Shard(APP_ID, 0), lambda url: ChangeStreamerClient(url))
+        ctx = SubscriptionContext(
+            id="follower", replica_version=replica_version, watermark=replica_version
+        )
+        self.subscription = ResumingSubscription(connect, ctx)
+        self.seqs: list[int] = []
+        self.pending: list[int] = []  # of the open transaction
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name="discover-follower")
+
+    async def _run(self) -> None:
+        async for message in self.subscription:
+            if isinstance(message, Data) and _relation(message) == "ledger":
+                new = message.body.get("new") or {}
+                if message.tag == "insert":
+                    self.pending.append(int(new["seq"]))
+            elif getattr(message, "kind", None) == "commit":
+                self.seqs += self.pending
+                self.pending = []
+            elif getattr(message, "kind", None) == "rollback":
+                self.pending = []
+
+    async def wait_for(self, seqs: set[int], timeout_s: float = 60.0) -> None:
+        def seen_all() -> bool:
+            if self.task is not None and self.task.done():
+                self.task.result()
+                raise AssertionError("the follower stopped")
+            return seqs <= set(self.seqs)
+
+        await eventually(seen_all, f"the follower to see {len(seqs)} transactions", timeout_s)
+
+    async def close(self) -> None:
+        await self.subscription.close()
+        if self.task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.task, 10)
+
+
+def _relation(message: Data) -> str | None:
+    relation = message.body.get("relation")
+    return relation.get("name") if isinstance(relation, dict) else None
+
+
+async def takes_over(new: Serve, old: Serve, change_db: str, task: str, old_task: str) -> None:
+    """``new`` restores, owns the log after the gate; ``old`` retires and stays up."""
+    await new.wait_output(r"restored .*replica\.db \(\d+ bytes, replica version")
+
+    async def owned() -> bool:
+        return await owner(change_db) == task
+
+    await eventually(owned, f"{task} to own the change log", 90)
+    await new.wait_ready(timeout_s=90)
+    await old.wait_output(rf"changeLog ownership has been assumed by {task}; this node serves")
+
+    async def retired() -> bool:
+        code, body = await asyncio.to_thread(ready_status, old)
+        return code == 503 and body.get("reason") == f"retired: the change log is owned by {task}"
+
+    await eventually(retired, f"{old_task} to say it retired", 30)
+    assert old.alive()  # retired, not exited: an orchestrator would restart an exit
+    assert retirement.read(old.replica_file) == task
+
+
+async def test_a_node_hands_the_change_log_to_its_replacement_twice_losing_nothing(
+    upstream: str, change_db: str, serve_factory: ServeFactory, tmp_path: Path
+) -> None:
+    backup = f"file://{tmp_path / 'backup'}"
+    await create_workload_schema(upstream)
+    a = node(serve_factory, upstream, change_db, backup, "rm-a")
+    a.start()
+    await a.wait_ready()
+    version = replica_versions(a.replica_file)[0]
+    follower = Follower(change_db, version)
+    follower.start()
+    # A standalone replica of ours, restored from the backup, follows the change log
+    # from node to node too (`changestreamer replicate --discover`).
+    standalone = tmp_path / "standalone" / "replica.db"
+    standalone.parent.mkdir()
+    restored = await asyncio.to_thread(
+        cli, "restore", "--backup-url", backup, "--replica", str(standalone), cwd=tmp_path
+    )
+    assert restored.returncode == 0, restored.stderr
+    replicate_log = (tmp_path / "replicate.log").open("wb")
+    command = [str(SERVE), "replicate", "--discover", change_db, "--app-id", APP_ID]
+    command += ["--replica", str(standalone)]
+    replicate = subprocess.Popen(  # noqa: ASYNC220 - a spawn, not a wait
+        command,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if not k.startswith(_SETTINGS)},
+        stdout=subprocess.DEVNULL,
+        stderr=replicate_log,
+    )
+    writer = Writer(upstream, big_at=40, big_rows=500)
+    writer.start()
+    b: Serve | None = None
+    c: Serve | None = None
+    try:
+        await follower.wait_for(set(range(1, 21)))
+
+        # 1. B replaces A.
+        b = node(serve_factory, upstream, change_db, backup, "rm-b")
+        b.start()
+        await takes_over(b, a, change_db, "rm-b", "rm-a")
+        await follower.wait_for(set(writer.committed) | {max(writer.committed) + 10})
+
+        # 2. A restarts (its container crashed): B is alive, so A stays retired.
+        a.kill()
+        a.start()
+        await a.wait_output(r"retired: the change log is owned by rm-b \(.*\), which took it")
+
+        async def still_retired() -> bool:
+            code, body = await asyncio.to_thread(ready_status, a)
+            reason = str(body.get("reason", ""))
+            return code == 503 and reason.startswith("retired: the change log is owned by rm-b")
+
+        await eventually(still_retired, "the restarted A to say it is retired", 30)
+
+        async def still_b() -> bool:
+            return await owner(change_db) == "rm-b"
+
+        await stays(still_b, 3.0, "rm-b's ownership while the restarted A runs")
+
+        # 3. C replaces B: the second step of a rolling restart.
+        c = node(serve_factory, upstream, change_db, backup, "rm-c")
+        c.start()
+        await takes_over(c, b, change_db, "rm-c", "rm-b")
+        await follower.wait_for(set(writer.committed) | {max(writer.committed) + 10})
+    finally:
+        await writer.finish()
+    done = set(writer.committed)
+    await follower.wait_for(done)
+    await follower.close()
+    # Every transaction once, in commit order.
+    assert sorted(set(follower.seqs)) == follower.seqs
+    assert set(follower.seqs) >= done
+    assert c is not None
+    assert b is not None
+    await wait_until_replica_matches(upstream, c.replica_file)
+    try:
+        await wait_until_replica_matches(upstream, standalone)
+    finally:
+        replicate.terminate()
+        replicate.wait(30)
+        replicate_log.close()
+    assert replica_versions(c.replica_file)[0] == version  # restored, not re-synced
+    assert "initial sync of" not in b.output() + c.output()
+    # Retired nodes stop cleanly when asked; so does the owner.
+    for s in (a, b, c):
+        await s.terminate()
+
+
+@contextlib.contextmanager
+def immutable(path: Path) -> Iterator[None]:
+    """``path`` and everything in it made immutable (``chattr +i``): readable, but
+    nothing can write there, root included (ext4)."""
+    subprocess.run(["chattr", "-R", "+i", str(path)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-R", "-i", str(path)], check=True)
+
+
+async def test_a_node_whose_backup_cannot_be_written_never_takes_over(
+    upstream: str, change_db: str, serve_factory: ServeFactory, tmp_path: Path
+) -> None:
+    backup = tmp_path / "backup"
+    await create_workload_schema(upstream)
+    a = node(serve_factory, upstream, change_db, f"file://{backup}", "rm-a")
+    a.start()
+    await a.wait_ready()
+    writer = Writer(upstream, big_at=10_000)
+    writer.start()
+    try:
+        await eventually(lambda: len(writer.committed) >= 10, "the writer's first commits")
+        # B's destination: a copy of A's backup that B can restore but never write.
+        frozen = tmp_path / "frozen"
+        shutil.copytree(backup, frozen)
+        with immutable(frozen):
+            b = node(serve_factory, upstream, change_db, f"file://{frozen}", "rm-b")
+            b.start()
+            await b.wait_output(r"restored .*replica\.db \(\d+ bytes, replica version")
+
+            async def gated() -> bool:
+                code, body = await asyncio.to_thread(ready_status, b)
+                reason = str(body.get("reason", ""))
+                return code == 503 and reason.startswith(
+                    "waiting for a backup that covers the replica at"
+                )
+
+            await eventually(gated, "B to wait for its backup", 60)
+            written = len(writer.committed)
+
+            async def a_serves() -> bool:
+                code, _ = await asyncio.to_thread(ready_status, a)
+                return code == 200 and await owner(change_db) == "rm-a" and await gated()
+
+            # Long enough for several backup intervals (0.3 s) and VFS probes (0.1 s).
+            await stays(a_serves, 5.0, "A's ownership while B cannot back up")
+            assert len(writer.committed) > written  # the writes went on through A
+            assert "replicating slot" not in b.output()  # it never streamed
+            await b.terminate()
+    finally:
+        await writer.finish()
+    await wait_until_replica_matches(upstream, a.replica_file)
+    await a.terminate()
