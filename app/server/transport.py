@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from functools import partial
 from typing import Any, cast
 
@@ -252,7 +252,12 @@ async def stream_downstream(
     closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     downstream.on_close(partial(_resolve, closed))
     await run_until_done(
-        websocket, {sender, receiver, closed}, on_end=downstream.close, name=name, plain_close=True
+        websocket,
+        {sender, receiver, closed},
+        on_end=downstream.close,
+        name=name,
+        plain_close=True,
+        readers={receiver},
     )
 
 
@@ -263,9 +268,15 @@ async def run_until_done(
     on_end: Callable[[str], None],
     name: str,
     plain_close: bool = False,
+    readers: Set[asyncio.Future[Any]] = frozenset(),
 ) -> None:
     """Runs a connection's tasks until one ends; then stops the rest and closes
     (within ``CLOSE_TIMEOUT_S``, else the connection is aborted).
+
+    ``readers`` (tasks that only wait for the client's frames) are cancelled at
+    once; the others get ``SENDER_GRACE_S`` to finish the frame they write. Waiting
+    out the grace on a reader, which ends only when the client sends, held every
+    close a second (a handoff's: its view-syncers reconnected that much later).
 
     ``plain_close``: end with a close frame without a status code, also after a
     protocol violation (spec/wire.md §1.4: once streaming began the reference
@@ -287,7 +298,9 @@ async def run_until_done(
         # Let a sender finish the frame it is writing (closing its channel makes
         # it stop after that): cancelling a send half way leaves the server's
         # side of the close handshake hanging until the client times out.
-        pending = {t for t in tasks if not t.done()}
+        for task in readers:
+            task.cancel()
+        pending = {t for t in tasks if not t.done() and t not in readers}
         if pending:
             _, pending = await asyncio.wait(pending, timeout=SENDER_GRACE_S)
         for task in pending:

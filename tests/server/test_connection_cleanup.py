@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
+from app.server import transport
 from app.server.http_protocol import GuardedHttpProtocol
 from app.server.ws_protocol import LivenessProtocol
 
@@ -165,3 +168,19 @@ async def test_a_silent_flood_that_leaves_leaves_nothing_behind(server: Server) 
     finally:
         gc.enable()
     assert await series(server) == series_before  # no series per subscriber
+
+
+async def test_a_stream_the_server_ends_closes_at_once_not_after_the_sender_grace(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The grace lets a sender finish the frame it writes; the ack reader waits for the
+    # client and would take all of it. With the grace made an hour, a close that
+    # waited for the reader would not arrive within the bound below.
+    monkeypatch.setattr(transport, "SENDER_GRACE_S", 3600.0)
+    url = f"{server.url}/replication/v6/changes?id=s&replicaVersion=01&watermark=01"
+    async with connect(url) as ws:
+        await ws.recv()  # the status
+        await eventually(lambda: server.service.forwarder.active, "the subscriber to join")
+        server.service.forwarder.close_all()  # e.g. this node retired
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 10)
