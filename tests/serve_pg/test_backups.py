@@ -15,6 +15,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,16 @@ def change_log_min(serve: Serve) -> str | None:
     rows = lite_rows(serve.change_db_file, 'SELECT min(watermark) FROM "changeLog"')
     value: str | None = rows[0][0]
     return value
+
+
+def backed_up_after(serve: Serve, watermark: str) -> Callable[[], bool]:
+    """Whether ``serve``'s backup now reaches past ``watermark``."""
+    return lambda: (statz(serve)["backup"]["backupWatermark"] or "") > watermark
+
+
+def starts_after(serve: Serve, watermark: str) -> Callable[[], bool]:
+    """Whether ``serve``'s change log now starts after ``watermark`` (it was purged)."""
+    return lambda: (change_log_min(serve) or "") > watermark
 
 
 def change_log_rows(serve: Serve) -> int:
@@ -422,3 +433,44 @@ async def test_serve_backs_up_to_an_s3_api_and_restore_reads_it_back(
         await serve.terminate()
     finally:
         s3.stop()
+
+
+async def test_a_steady_trickle_of_restoring_clients_does_not_stop_the_log_shrinking(
+    upstream: str, serve_factory: ServeFactory, tmp_path: Path
+) -> None:
+    # View-syncers restoring one after another, each opening its reservation before
+    # the previous one ends, so that some reservation is open at every moment: each
+    # holds the purge floor at its own watermark only, and the log's start moves on.
+    await create_workload_schema(upstream)
+    serve = serve_factory(upstream, **backup_env(f"file://{tmp_path / 'backup'}"))
+    serve.start()
+    await serve.wait_ready()
+    writer = Writer(upstream, big_at=10_000)
+    writer.start()
+    client = ChangeStreamerClient(f"ws://127.0.0.1:{serve.port}")
+    held: list[Any] = []
+    starts: list[str] = []
+    try:
+        await writer.wait_stored(serve.change_db_file, 20)
+        status, followup = await asyncio.wait_for(client.reserve_snapshot("restoring-0"), 30)
+        held.append(followup)
+        for i in range(1, 6):
+            await eventually(backed_up_after(serve, status.min_watermark), "the backup to move on")
+            status, followup = await asyncio.wait_for(client.reserve_snapshot(f"restoring-{i}"), 30)
+            held.append(followup)
+            await held.pop(0).cancel()  # the previous one finished restoring (or gave up)
+            before = change_log_min(serve) or ""
+            starts.append(before)
+            await eventually(
+                starts_after(serve, before),
+                f"the change log's start to move past {before} with reservations open",
+                60,
+            )
+            assert statz(serve)["backup"]["reservations"]["open"]  # never none open
+        assert starts == sorted(starts)
+    finally:
+        for followup in held:
+            await followup.cancel()
+        await writer.finish()
+    await wait_until_replica_matches(upstream, serve.replica_file)
+    await serve.terminate()

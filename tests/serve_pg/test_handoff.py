@@ -40,6 +40,7 @@ from tests.serve_pg.conftest import (
     wait_until_replica_matches,
 )
 from tests.serve_pg.test_backups import backup_env, cli, ready_status
+from tests.serve_pg.test_postgres_restart import accepting, restart_cluster
 from tests.waiting import stays
 
 _SETTINGS = ("ZERO_", "CHANGESTREAMER_")
@@ -284,3 +285,59 @@ async def test_a_node_whose_backup_cannot_be_written_never_takes_over(
         await writer.finish()
     await wait_until_replica_matches(upstream, a.replica_file)
     await a.terminate()
+
+
+@pytest.mark.parametrize("fault", ["kill-new", "kill-old", "postgres-restart"])
+async def test_a_handoff_interrupted_by_a_crash_or_a_postgres_restart_loses_nothing(
+    fault: str, upstream: str, change_db: str, serve_factory: ServeFactory, tmp_path: Path
+) -> None:
+    # kill-new: B is SIGKILLed once it restored, then started again (its replica is
+    # there now). kill-old: A is SIGKILLed while B restores. postgres-restart: the
+    # cluster restarts while B restores. In each, the subscriber in discover mode
+    # sees every transaction once and B ends up the one owner.
+    backup = f"file://{tmp_path / 'backup'}"
+    await create_workload_schema(upstream)
+    a = node(serve_factory, upstream, change_db, backup, "rm-a")
+    a.start()
+    await a.wait_ready()
+    follower = Follower(change_db, replica_versions(a.replica_file)[0])
+    follower.start()
+    writer = Writer(upstream, big_at=30, big_rows=300)
+    writer.start()
+    try:
+        await follower.wait_for(set(range(1, 11)))
+        b = node(serve_factory, upstream, change_db, backup, "rm-b")
+        b.start()
+        if fault == "kill-old":
+            await b.wait_output(r"holding a snapshot reservation on 127\.0\.0\.1:")
+            a.kill()
+        else:
+            await b.wait_output(r"restored .*replica\.db \(\d+ bytes, replica version")
+            if fault == "kill-new":
+                b.kill()
+                b.start()
+            else:
+                await writer.finish()  # its connection is cut too; it goes on after
+                await asyncio.to_thread(restart_cluster)
+                await eventually(lambda: accepting(upstream), "Postgres accepting connections")
+                writer.start()
+                if not b.alive():  # it may stop at a failed start: an orchestrator restarts it
+                    b.start()
+
+        async def b_owns() -> bool:
+            return await owner(change_db) == "rm-b"
+
+        await eventually(b_owns, "B to own the change log", 120)
+        await b.wait_ready(timeout_s=90)
+        await follower.wait_for(set(writer.committed) | {max(writer.committed) + 10}, 90)
+    finally:
+        await writer.finish()
+    await follower.wait_for(set(writer.committed), 90)
+    await follower.close()
+    assert sorted(set(follower.seqs)) == follower.seqs  # each once, in order
+    await wait_until_replica_matches(upstream, b.replica_file)
+    assert await owner(change_db) == "rm-b"
+    if a.alive():  # retired, not owning
+        code, body = await asyncio.to_thread(ready_status, a)
+        assert (code, body.get("reason")) == (503, "retired: the change log is owned by rm-b")
+    await b.terminate()
