@@ -14,6 +14,10 @@
    log stays bounded. Purge settings are the defaults (30 s delay) but for the
    retention (``--retention``, default 0 here: the service's 300 s would keep a
    whole short run).
+4. With ``--restoring-clients N``, the backup run a third time while N view-syncers
+   restore in turn: each holds a snapshot reservation for ``--restore-seconds``, and
+   a new one opens before the oldest closes, so one is open at every moment (zero
+   1.9 purges nothing then; here each holds the floor at its own watermark).
 
 Loopback only; every process it starts is stopped by its PID.
 """
@@ -21,20 +25,24 @@ Loopback only; every process it starts is stopped by its PID.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
+from app.client import ChangeStreamerClient
 from bench.pg_e2e import PG, admin, drop_slots, free_port_block
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,8 +131,53 @@ def backup_files(backup: Path) -> bool:
     return backup.exists() and any(backup.rglob("*.ltx"))
 
 
-def write_run(serve: Serve, seconds: float, rate: float) -> dict[str, Any]:
-    """Small transactions at ``rate``/s; the change log's size sampled every second."""
+def write_run(
+    serve: Serve, seconds: float, rate: float, restoring: int = 0, restore_s: float = 10.0
+) -> dict[str, Any]:
+    """Small transactions at ``rate``/s; the change log's size sampled every second;
+    ``restoring`` clients holding reservations in turn meanwhile."""
+    stop = threading.Event()
+    opened: list[int] = []
+    restorers = threading.Thread(
+        target=lambda: asyncio.run(_restore_in_turn(serve, restoring, restore_s, stop, opened)),
+        name="restoring-clients",
+    )
+    if restoring:
+        restorers.start()
+    try:
+        result = _write_and_sample(serve, seconds, rate)
+    finally:
+        stop.set()
+        if restoring:
+            restorers.join(60)
+    if restoring:
+        result["reservations"] = opened[0] if opened else 0
+    return result
+
+
+async def _restore_in_turn(
+    serve: Serve, clients: int, hold_s: float, stop: threading.Event, opened: list[int]
+) -> None:
+    """``clients`` reservations at a time, each held ``hold_s``, one opening every
+    ``hold_s / clients`` (before the oldest closes)."""
+    client = ChangeStreamerClient(f"ws://127.0.0.1:{serve.port}")
+    held: deque[Any] = deque()
+    count = 0
+    try:
+        while not stop.is_set():
+            _, followup = await client.reserve_snapshot(f"bench-restore-{count}")
+            held.append(followup)
+            count += 1
+            if len(held) > clients:
+                await held.popleft().cancel()
+            await asyncio.sleep(hold_s / clients)
+    finally:
+        for followup in held:
+            await followup.cancel()
+        opened.append(count)
+
+
+def _write_and_sample(serve: Serve, seconds: float, rate: float) -> dict[str, Any]:
     samples: list[tuple[int, int]] = []
     with psycopg.connect(f"{PG}/{UPSTREAM}", autocommit=True) as conn:
         t0 = time.monotonic()
@@ -165,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--write-seconds", type=float, default=120)
     parser.add_argument("--rate", type=float, default=200, help="transactions per second")
+    parser.add_argument(
+        "--restoring-clients",
+        type=int,
+        default=0,
+        help="also a backup run with this many view-syncers restoring in turn",
+    )
+    parser.add_argument("--restore-seconds", type=float, default=10.0)
     parser.add_argument(
         "--retention",
         default="0",
@@ -223,6 +283,14 @@ def main(argv: list[str] | None = None) -> int:
             results["restore_s"] = round(time.monotonic() - t, 2)
             results["restore_output"] = done.stdout.strip() or done.stderr.strip()[-300:]
             results["with_backup"] = write_run(serve, args.write_seconds, args.rate)
+            if args.restoring_clients:
+                results["with_restoring_clients"] = write_run(
+                    serve,
+                    args.write_seconds,
+                    args.rate,
+                    restoring=args.restoring_clients,
+                    restore_s=args.restore_seconds,
+                )
         finally:
             serve.stop()
         drop_slots(APP_ID)
