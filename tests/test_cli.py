@@ -102,6 +102,18 @@ def test_bad_settings_stop_the_command_with_exit_code_2(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize("command", [["tail"], ["status"], ["replicate", "--replica", "copy.db"]])
+def test_a_bad_app_id_for_discover_is_one_line_and_exit_code_2(
+    tmp_path: Path, command: list[str]
+) -> None:
+    result = run_cli([*command, "--discover", "cdc.db", "--app-id", "Bad-App"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"changestreamer {command[0]}: app ID 'Bad-App' is invalid: use only lower-case "
+        "letters, digits and '_'"
+    ]
+
+
 def test_an_unusable_change_db_stops_the_command_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "junk.db").write_bytes(b"\x00garbage" * 1000)
     result = run_cli(["serve"], tmp_path, ZERO_CHANGE_DB="junk.db", NODE_ENV="development")

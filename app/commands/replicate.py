@@ -125,8 +125,11 @@ async def _replicate(
 
         try:
             shard = Shard(args.app_id, args.shard_num)
+        except ChangeDbConfigError as e:
+            raise _Stop(str(e), 2) from None
+        try:
             url = await discover(args.discover, shard)
-        except (ChangeDbConfigError, DiscoveryError) as e:
+        except DiscoveryError as e:
             raise _Stop(f"--discover: {e}", 1) from None
         subscribe = discovering(args.discover, shard, client_for)
     client = client_for(url)
