@@ -9,23 +9,15 @@
 // for each, this client waits until the rows it materializes equal the expected ones (in
 // the columns its schema has) and prints "matched N", or after $STAGE_SECONDS prints
 // "mismatch N: <the differences>" and exits 1. $EXPECT_DIR/done ends it (exit 0).
-import { WebSocket } from "ws";
 import { existsSync, readFileSync } from "node:fs";
+import { connect, issueColumns as columnsOfIssues, number, string, table } from "./zero-client.mjs";
 
-globalThis.WebSocket = WebSocket;
-const { Zero, createSchema, table, string, number } = await import("@rocicorp/zero");
 const which = process.env.CLIENT_SCHEMA ?? "new";
 const dir = process.env.EXPECT_DIR;
 const stageMs = Number(process.env.STAGE_SECONDS ?? 60) * 1000;
 const name = `client-${which}`;
 
-const issueColumns = {
-  id: string(),
-  title: string().optional(),
-  status: string().optional(),
-  priority: number().optional(),
-  modified: number().optional(),
-};
+const issueColumns = columnsOfIssues();
 if (which === "new") {
   issueColumns.due = number().optional();
   issueColumns.score = number().optional();
@@ -39,14 +31,7 @@ if (which === "new") {
       .primaryKey("id"),
   );
 }
-const schema = createSchema({ tables, enableLegacyQueries: true, enableLegacyMutators: true });
-const z = new Zero({
-  server: `http://127.0.0.1:${process.env.ZERO_PORT ?? 4858}`,
-  schema,
-  userID: "anon",
-  kvStore: "mem",
-  logLevel: "error",
-});
+const z = connect(tables);
 
 // The stage being waited for and what it expects (null: waiting for its file).
 let stage = 1;

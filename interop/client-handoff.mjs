@@ -5,27 +5,9 @@
 //   {seen, missing: [first few], rows, maxGapMs, gaps: [the 3 largest, ms]}
 // where a gap is the time between two consecutive rows becoming visible (the writer
 // commits one every 1/$RATE s, so a gap much longer than that is the handoff's).
-import { WebSocket } from "ws";
+import { connect, issueColumns, table } from "./zero-client.mjs";
 
-globalThis.WebSocket = WebSocket;
-const { Zero, createSchema, table, string, number } = await import("@rocicorp/zero");
-const issues = table("issues")
-  .columns({
-    id: string(),
-    title: string().optional(),
-    status: string().optional(),
-    priority: number().optional(),
-    modified: number().optional(),
-  })
-  .primaryKey("id");
-const schema = createSchema({ tables: [issues], enableLegacyQueries: true, enableLegacyMutators: true });
-const z = new Zero({
-  server: `http://127.0.0.1:${process.env.ZERO_PORT ?? 4858}`,
-  schema,
-  userID: "anon",
-  kvStore: "mem",
-  logLevel: "error",
-});
+const z = connect([table("issues").columns(issueColumns()).primaryKey("id")]);
 const expected = Number(process.env.EXPECTED ?? 100);
 const firstSeen = new Map(); // n -> ms
 let rows = 0;

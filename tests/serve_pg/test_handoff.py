@@ -83,6 +83,7 @@ class Follower:
             id="follower", replica_version=replica_version, watermark=replica_version
         )
         self.subscription = ResumingSubscription(connect, ctx)
+        self.replica_version = replica_version
         self.seqs: list[int] = []
         self.pending: list[int] = []  # of the open transaction
         self.task: asyncio.Task[None] | None = None
@@ -118,6 +119,19 @@ class Follower:
                 await asyncio.wait_for(self.task, 10)
 
 
+async def serving_with_a_follower(
+    serve_factory: ServeFactory, upstream: str, change_db: str, backup: str
+) -> tuple[Serve, Follower]:
+    """Node A ready over the workload's schema, and our subscriber in discover mode."""
+    await create_workload_schema(upstream)
+    a = node(serve_factory, upstream, change_db, backup, "rm-a")
+    a.start()
+    await a.wait_ready()
+    follower = Follower(change_db, replica_versions(a.replica_file)[0])
+    follower.start()
+    return a, follower
+
+
 def _relation(message: Data) -> str | None:
     relation = message.body.get("relation")
     return relation.get("name") if isinstance(relation, dict) else None
@@ -147,13 +161,8 @@ async def test_a_node_hands_the_change_log_to_its_replacement_twice_losing_nothi
     upstream: str, change_db: str, serve_factory: ServeFactory, tmp_path: Path
 ) -> None:
     backup = f"file://{tmp_path / 'backup'}"
-    await create_workload_schema(upstream)
-    a = node(serve_factory, upstream, change_db, backup, "rm-a")
-    a.start()
-    await a.wait_ready()
-    version = replica_versions(a.replica_file)[0]
-    follower = Follower(change_db, version)
-    follower.start()
+    a, follower = await serving_with_a_follower(serve_factory, upstream, change_db, backup)
+    version = follower.replica_version
     # A standalone replica of ours, restored from the backup, follows the change log
     # from node to node too (`changestreamer replicate --discover`).
     standalone = tmp_path / "standalone" / "replica.db"
@@ -296,12 +305,7 @@ async def test_a_handoff_interrupted_by_a_crash_or_a_postgres_restart_loses_noth
     # cluster restarts while B restores. In each, the subscriber in discover mode
     # sees every transaction once and B ends up the one owner.
     backup = f"file://{tmp_path / 'backup'}"
-    await create_workload_schema(upstream)
-    a = node(serve_factory, upstream, change_db, backup, "rm-a")
-    a.start()
-    await a.wait_ready()
-    follower = Follower(change_db, replica_versions(a.replica_file)[0])
-    follower.start()
+    a, follower = await serving_with_a_follower(serve_factory, upstream, change_db, backup)
     writer = Writer(upstream, big_at=30, big_rows=300)
     writer.start()
     try:
