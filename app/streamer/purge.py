@@ -7,17 +7,23 @@ transaction and checks ownership) and reads the purge constraints through
 callables: the acked watermarks of connected subscribers and the watermarks held by
 confirmed snapshot reservations.
 
-One trigger, ``track_backup_watermark``, level-triggered: whenever the backup is
-ahead of what was purged, one purge runs ``delay_s`` later, down to the lowest of
-the backup watermark, every subscriber's ack and every reserved watermark. (Zero
-1.9's second trigger, ``scheduleCleanup``, candidates handed in by its replica
-monitor, has no caller here: every configuration's backup monitor feeds this one.)
+One trigger, ``track_backup_watermark``, level-triggered: each backed-up watermark
+is remembered with the time it was first seen, and a purge goes down to the lowest of
+the newest backup watermark seen at least ``delay_s`` ago, every subscriber's ack and
+every reserved watermark. While a remembered backup is ahead of what was purged, one
+timer is armed, for when the oldest backup not yet old enough becomes so (or
+``delay_s`` later, when the floor was held back). (Zero 1.9's second trigger,
+``scheduleCleanup``, candidates handed in by its replica monitor, has no caller here:
+every configuration's backup monitor feeds this one.)
 
-The delay (30 s = 3 × the subscribers' maximum reconnect backoff) gives subscribers
-that just lost their connection time to come back and expose their position before
-anything they need is deleted. ``delay_s`` may be a callable: the service grows it
-to the longest time a snapshot reservation took from open to subscribe (seed 001),
-so a view-syncer that started restoring an older backup still finds its changes.
+What the delay guarantees (zero-cache 0.26's BackupMonitor, seed 001): the log is
+purged up to a backup's watermark only once that backup has been known for
+``delay_s`` (30 s = 3 × the subscribers' maximum reconnect backoff). A subscriber that
+just lost its connection can come back and expose its position, and a view-syncer
+that started restoring an older backup up to ``delay_s`` ago still finds the changes
+after it. ``delay_s`` may be a callable, read at every decision: the service grows it
+to the longest time a snapshot reservation took from open to subscribe. The memory of
+backups is bounded, and thinning it only ever makes purges later.
 An open reservation holds the floor at its own watermark, not purging as a whole:
 with many view-syncers restoring in turn, a pause while any is open would never
 end. Purges never overlap: they run in one task.
@@ -29,6 +35,7 @@ and which constraint held it there (for ``/statz`` and metrics).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -43,6 +50,12 @@ __all__ = ["CLEANUP_DELAY_S", "CommitClock", "Purger"]
 CLEANUP_DELAY_S: Final = 30.0
 # Samples a CommitClock keeps over its retention window, at most.
 CLOCK_SAMPLES: Final = 1024
+# (watermark, seen at) backup entries a Purger remembers, at most.
+BACKUP_HISTORY: Final = 1024
+# A timer armed for the moment a backup becomes old enough may fire a hair before it
+# (float rounding, the loop's clock resolution); a microsecond breaks no promise, and
+# without the slack such a pass would find nothing to do and re-arm a zero-length timer.
+_EARLY_S: Final = 1e-6
 
 
 class CommitClock:
@@ -108,8 +121,9 @@ class Purger:
         self._log = logger or logging.getLogger(__name__)
         self._stopped = False
 
-        # trackBackupWatermark path.
-        self._backup: str | None = None
+        # trackBackupWatermark path: (watermark, first seen) above the purged watermark,
+        # both strictly increasing (watermarks) / non-decreasing (times).
+        self._backups: list[tuple[str, float]] = []
         self._purged = ""
         self._last_floor: str | None = None
         self.floor: str | None = None
@@ -126,9 +140,35 @@ class Purger:
 
     def track_backup_watermark(self, watermark: str) -> None:
         """The replica backup now durably holds everything up to ``watermark``."""
-        if self._backup is None or watermark > self._backup:
-            self._backup = watermark
+        newest = self._backups[-1][0] if self._backups else self._purged
+        # One not above the newest remembered (or the purged) watermark adds nothing:
+        # that entry is at least as high and was seen no later. A repeated watermark
+        # keeps its first sighting: that is when the backup appeared.
+        if watermark > newest:
+            self._remember(watermark, self._timers.monotonic())
         self._maybe_schedule_backup_purge()
+
+    def _remember(self, watermark: str, seen: float) -> None:
+        backups = self._backups
+        backups.append((watermark, seen))
+        if len(backups) <= BACKUP_HISTORY:
+            return
+        # Thin the history by dropping one interior entry: the one whose removal leaves
+        # the smallest gap in time (newest among equals). Conservative: every kept entry
+        # keeps its own watermark and its own seen time, so none becomes a candidate
+        # before its own delay; dropping (w[i], t[i]) only means the purge stops at
+        # w[i-1] until w[i+1] is old enough, t[i+1] - t[i] later. Merging it into a
+        # neighbour under the OLDER time would purge w[i+1] early. The oldest entry
+        # stays so that the purge always has something that ages into a candidate
+        # (dropping it at a high backup rate would starve purging); the newest stays so
+        # it eventually reaches the latest backup. The gap left is at most
+        # 2 × span / (bound - 1) (the removal gaps sum to at most 2 × span): a bounded
+        # extra wait, however fast backups come.
+        drop = min(
+            range(1, len(backups) - 1),
+            key=lambda i: (backups[i + 1][1] - backups[i - 1][1], -i),
+        )
+        del backups[drop]
 
     async def stop(self) -> None:
         """Cancels pending timers and any running purge (its transaction rolls back)."""
@@ -159,12 +199,20 @@ class Purger:
     # -- trackBackupWatermark path ---------------------------------------------
 
     def _maybe_schedule_backup_purge(self) -> None:
-        if self._stopped or self._backup_busy:
-            return
-        if self._backup is None or self._purged >= self._backup:
+        if self._stopped or self._backup_busy or not self._backups:
             return
         self._backup_busy = True
-        self._backup_timer = self._timers.call_later(self._delay(), self._on_backup_timer)
+        self._backup_timer = self._timers.call_later(self._next_pass_in(), self._on_backup_timer)
+
+    def _next_pass_in(self) -> float:
+        now, delay = self._timers.monotonic(), self._delay()
+        old = self._old_enough(now, delay)
+        if old < len(self._backups):
+            return max(0.0, self._backups[old][1] + delay - now)
+        # Every remembered backup is old enough, yet the last pass did not get past
+        # them: a subscriber, reservation or the retention held the floor, or the purge
+        # failed. Polling sooner than the delay would only spin; retry after it.
+        return delay
 
     def _on_backup_timer(self) -> None:
         self._backup_timer = None
@@ -172,8 +220,12 @@ class Purger:
         self._ensure_runner()
 
     async def _purge_to_backup_floor(self) -> None:
-        backup = self._backup
-        assert backup is not None  # armed only once a backup watermark is known
+        # Decide with the delay and the clock as they are now: the delay may have grown
+        # since the timer was armed, and backups seen since may have aged enough.
+        old = self._old_enough(self._timers.monotonic(), self._delay())
+        if not old:
+            return  # the delay grew since arming; the re-arm waits for the new one
+        backup = self._backups[old - 1][0]
         candidates = [
             (backup, self._backup_name),
             *self._acks_with_names(),
@@ -198,6 +250,14 @@ class Purger:
             return
         if await self._attempt(floor):
             self._purged = floor
+            # Backups at or below the floor can never raise it again. (Entries seen
+            # during the purge were appended above it: watermarks only grow.)
+            del self._backups[: bisect.bisect_right(self._backups, floor, key=lambda e: e[0])]
+
+    def _old_enough(self, now: float, delay: float) -> int:
+        """How many remembered backups were seen at least ``delay`` before ``now``."""
+        # Seen times never decrease along the history: the old enough ones are a prefix.
+        return bisect.bisect_right(self._backups, now + _EARLY_S - delay, key=lambda e: e[1])
 
     def _acks_with_names(self) -> list[tuple[str, str]]:
         if self._named_acks is not None:

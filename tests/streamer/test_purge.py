@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from app.storage import (
     create_change_db,
     parse_change_db_url,
 )
-from app.streamer.purge import CLEANUP_DELAY_S, CommitClock, Purger
+from app.streamer.purge import BACKUP_HISTORY, CLEANUP_DELAY_S, CommitClock, Purger
 from app.streamer.timers import ManualTimers
 from tests.change_dbs import migrated
 
@@ -437,5 +438,127 @@ async def test_retention_holds_the_floor_until_commits_are_old_enough() -> None:
         await purger.idle()
         assert purge.calls == ["03"]
         assert purger.floor_holder == "retention of 60 s"
+    finally:
+        await purger.stop()
+
+
+# -- the delay counts from each backup (seed 001: zero-cache 0.26's BackupMonitor) ----
+
+
+async def test_a_backup_seen_just_before_the_timer_fires_is_not_purged_to(
+    world: World,
+) -> None:
+    world.purger.track_backup_watermark("05")  # t=0: arms the 30 s timer
+    world.timers.advance(29.0)
+    world.purger.track_backup_watermark("09")  # t=29: only 1 s old when the timer fires
+    world.timers.advance(1.0)
+    await world.purger.idle()
+    assert world.purge.calls == ["05"]  # not "09": it has not been backed up for 30 s
+    assert (world.purger.floor, world.purger.floor_holder) == ("05", "backup")
+    # Re-armed for the moment "09" is 30 s old, not a whole delay from now.
+    assert world.timers.pending() == [29.0]
+    assert world.timers.advance(28.5) == 0
+    assert world.purge.calls == ["05"]
+    assert world.timers.advance(0.5) == 1
+    await world.purger.idle()
+    assert world.purge.calls == ["05", "09"]
+    assert world.purger.purged_watermark == "09"
+    assert world.timers.pending() == []
+
+
+async def test_a_backup_held_back_by_a_subscriber_waits_for_the_delay_not_the_backup(
+    world: World,
+) -> None:
+    world.acks[:] = ["03"]
+    world.purger.track_backup_watermark("05")
+    await world.fire()
+    assert world.purge.calls == ["03"]
+    world.purger.track_backup_watermark("09")  # t=30, while the retry is armed
+    assert world.timers.pending() == [30.0]  # one timer, never two
+    world.acks[:] = []
+    await world.fire()  # t=60: "09" is exactly 30 s old
+    assert world.purge.calls == ["03", "09"]
+
+
+async def test_a_delay_grown_between_arming_and_firing_is_honoured() -> None:
+    timers = ManualTimers()
+    purge = FakePurge()
+    delay = [CLEANUP_DELAY_S]
+    purger = Purger(purge, lambda: [], list, timers, delay_s=lambda: delay[0])
+    try:
+        purger.track_backup_watermark("05")  # t=0, armed for 30 s
+        timers.advance(10.0)
+        delay[0] = 120.0  # a reservation took two minutes from open to subscribe
+        assert timers.advance(20.0) == 1  # t=30: the old timer fires ...
+        await purger.idle()
+        assert purge.calls == []  # ... but "05" is only 30 of the 120 s old
+        assert timers.pending() == [90.0]  # re-armed for t=120
+        assert timers.advance(89.5) == 0
+        assert timers.advance(0.5) == 1
+        await purger.idle()
+        assert purge.calls == ["05"]
+    finally:
+        await purger.stop()
+
+
+async def test_the_backup_history_is_bounded_and_never_purges_a_young_backup() -> None:
+    timers = ManualTimers()
+    step = 1 / 16  # 16 backups a second: 480 per delay, exact in binary
+    seen: list[tuple[float, str]] = []  # (seen at, watermark), as fed
+    violations: list[str] = []
+
+    async def purge(watermark: str) -> int:
+        # The newest backup that had been known for the whole delay must cover it.
+        cutoff = timers.monotonic() - CLEANUP_DELAY_S
+        old = [w for t, w in seen if t <= cutoff]
+        if not old or watermark > old[-1]:
+            violations.append(f"{watermark} at t={timers.monotonic()}")
+        return 1
+
+    acks = ["000000"]
+    purger = Purger(purge, lambda: acks, list, timers)
+    n = 0
+    most = 0
+
+    async def feed(count: int) -> None:
+        nonlocal n, most
+        for _ in range(count):
+            n += 1
+            seen.append((timers.monotonic(), f"{n:06d}"))
+            purger.track_backup_watermark(f"{n:06d}")
+            timers.advance(step)
+            await purger.idle()
+            most = max(most, len(purger._backups))
+            assert len(timers.pending()) <= 1
+
+    try:
+        # A subscriber holds the floor for 3000 backups (187.5 s): the history thins.
+        await feed(3000)
+        assert purger.purged_watermark == "000000"
+        assert most == BACKUP_HISTORY
+        first_seen = {w: t for t, w in seen}
+        kept = purger._backups
+        assert all(first_seen[w] == t for w, t in kept)  # nobody's time was moved
+        assert kept[0][0] == "000001"
+        assert kept[-1][0] == f"{n:06d}"
+        # The thinning spreads: no gap is far above the average one.
+        gaps = [b[1] - a[1] for a, b in itertools.pairwise(kept)]
+        assert max(gaps) <= 2 * (kept[-1][1] - kept[0][1]) / (BACKUP_HISTORY - 1)
+
+        # It lets go: the purge follows the backups, exactly one delay behind.
+        acks.clear()
+        await feed(3000)
+        assert most == BACKUP_HISTORY
+        cutoff = timers.monotonic() - CLEANUP_DELAY_S
+        assert purger.purged_watermark == [w for t, w in seen if t <= cutoff][-1]
+        assert len(purger._backups) <= CLEANUP_DELAY_S / step + 1
+
+        # The backups stop: one delay later the purge reaches the last one.
+        timers.advance(CLEANUP_DELAY_S)
+        await purger.idle()
+        assert purger.purged_watermark == f"{n:06d}"
+        assert purger._backups == []
+        assert timers.pending() == []
+        assert violations == []
     finally:
         await purger.stop()
