@@ -298,7 +298,7 @@ async def run_ws(
             port = s.getsockname()[1]
         server = uvicorn.Server(
             uvicorn.Config(
-                create_app(db, service, startup_delay_s=0),
+                create_app(db, service),
                 host="127.0.0.1",
                 port=port,
                 log_level="warning",

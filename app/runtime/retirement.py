@@ -23,9 +23,23 @@ import os
 import time
 import urllib.request
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-__all__ = ["RETIRED_SUFFIX", "clear", "note_path", "owner_alive", "read", "write"]
+from app.runtime.lifecycle import NodeLifecycle
+from app.storage import ChangeDb, Replication
+
+if TYPE_CHECKING:
+    from app.config import Settings
+
+__all__ = [
+    "RETIRED_SUFFIX",
+    "clear",
+    "note_path",
+    "owner_alive",
+    "read",
+    "still_retired",
+    "write",
+]
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +106,25 @@ async def owner_alive(address: str, timeout_s: float = ALIVE_TIMEOUT_S) -> bool:
             return False
 
     return await asyncio.to_thread(probe)
+
+
+async def still_retired(settings: Settings, db: ChangeDb) -> NodeLifecycle | None:
+    """A node that starts *retired* (it left the note, and the change log's owner is
+    alive), or None: no note, or a stale one (removed)."""
+    noted = await asyncio.to_thread(read, settings.replica_file)
+    if noted is None:
+        return None
+    try:
+        state = await Replication(db).state()
+    finally:
+        await db.dispose()  # the server runs its own event loop and pools
+    if (
+        state is not None
+        and state.owner_address
+        and state.owner != settings.task_id
+        and await owner_alive(state.owner_address)
+    ):
+        return NodeLifecycle.retired_at_start(state.owner, state.owner_address)
+    log.info("this node retired before, but the change log's owner is gone: starting anew")
+    await asyncio.to_thread(clear, settings.replica_file)
+    return None

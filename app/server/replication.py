@@ -111,14 +111,18 @@ async def _deny(websocket: WebSocket, status: int, reason: str, headers: dict[st
         await websocket.close()
 
 
-def router(get_service: Callable[[], ChangeStreamerService]) -> APIRouter:
+def router(
+    get_service: Callable[[], ChangeStreamerService],
+    closed_reason: Callable[[], str | None] = lambda: None,
+) -> APIRouter:
     """The replication websockets, as plain Starlette routes: each endpoint parses
     its own path and query (``subscriber_context``), so FastAPI's dependency
     resolution would only cost each new stream time (~7 % of the event loop under
     connection churn, py-spy on ``bench.churn``).
 
     Every upgrade is first checked by :class:`ReplicationAccess` (Origin, the
-    optional replication password), built from the service's options.
+    optional replication password), built from the service's options, then by the
+    node's ``closed_reason`` (``NodeLifecycle.refusal``: retired, stopping).
     """
     routes = APIRouter()
     built: list[tuple[StreamerOptions, ReplicationAccess]] = []
@@ -135,10 +139,13 @@ def router(get_service: Callable[[], ChangeStreamerService]) -> APIRouter:
         if refusal is not None:
             await _deny(websocket, refusal.status, refusal.reason, refusal.headers)
             return False
-        if get_service().stopped.is_set():
+        closed = closed_reason() or (
+            "this change-streamer has stopped" if get_service().stopped.is_set() else None
+        )
+        if closed is not None:
             # Retired (another node owns the change log) or stopping: a refused
             # upgrade, so that clients try again, and in discover mode find the owner.
-            await _deny(websocket, 503, "this change-streamer has stopped", {})
+            await _deny(websocket, 503, closed, {})
             return False
         return True
 

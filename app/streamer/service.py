@@ -192,7 +192,6 @@ class ChangeStreamerService:
         self.backups = BackupWatch(
             backup_url=self.options.backup_url,
             replica_file=self.options.replica_file,
-            coverage_target=durable_watermark,
             clock=self._timers.monotonic,
             retention_s=self.options.change_log_retention_s,
         )
@@ -659,8 +658,6 @@ class ChangeStreamerService:
         """Starts a subscription; errors arrive in-band on the returned channel.
         Raises :class:`TooManySubscribers` (before anything starts) at the limit."""
         self._check_limit()
-        if ctx.mode == "serving":
-            self.serving_started.set()
         downstream = Downstream(
             max_unconsumed_bytes=self.options.max_unconsumed_bytes, log_fields=ctx.log_fields()
         )
@@ -692,6 +689,12 @@ class ChangeStreamerService:
                 # otherwise hold the purge floor until its cap.
                 self.reservations.close_for_task(ctx.task_id)
             return downstream
+        if ctx.mode == "serving":
+            # An accepted serving subscriber proves that the routing layer sends
+            # clients here: it ends the start-up delay (app/runtime/lifecycle.py).
+            # Nothing else does: not a refused one, not a backup-mode one, not a
+            # reservation (anyone can open those).
+            self.serving_started.set()
         # One line at each end of a subscription, as zero-cache logs them; explicit
         # fields, since whoever closes the channel may run in another task.
         log.info("adding subscriber %s at %s", ctx.id, ctx.watermark, extra=sub.log_extra)
@@ -734,7 +737,6 @@ class ChangeStreamerService:
         return SocketSlot(release)
 
     def start_snapshot_reservation(self, task_id: str) -> Reservation:
-        self.serving_started.set()
         return self.reservations.open(task_id)
 
     def _on_durable(self, watermark: str) -> None:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.flow_gate import HighLowGate
+from app.logs import redact
 from app.protocol.canonical_json import loads
 from app.protocol.changes import SCHEMA_CHANGE_TAGS
 from app.protocol.codec import data_change, extract_change
@@ -120,6 +121,9 @@ class Storer:
         self._replication = replication
         self._owner = owner
         self._timers = timers
+        # The first failed write of the current streak and when it failed (cleared by
+        # the next durable commit): /ready's "cannot write" (``write_problem``).
+        self._write_failure: tuple[str, float] | None = None
         self._on_durable = on_durable
         self._statement_timeout_s = statement_timeout_s
         self._group_max_rows = group_max_rows
@@ -325,8 +329,24 @@ class Storer:
             await self._log.start_writer()
             while await self._write_group():
                 pass
+        except AbortError:
+            raise  # a stop signal (ownership lost, a reset), not a write that failed
+        except Exception as e:
+            if self._write_failure is None:
+                self._write_failure = (_describe(e), self._timers.monotonic())
+            raise
         finally:
             await self._consumer_ended()
+
+    def write_problem(self) -> str | None:
+        """Why the change log cannot be written now (a write failed and none has
+        succeeded since: a full disk, a lost database), or None."""
+        failure = self._write_failure
+        if failure is None:
+            return None
+        error, since = failure
+        waited = self._timers.monotonic() - since
+        return f"the change log cannot be written (for {waited:.0f} s): {error}"
 
     async def _write_group(self) -> bool:
         """Waits for queued items and writes a group of them; False once ``stop``'s
@@ -439,6 +459,7 @@ class Storer:
             else:
                 self._tail.add(t.watermark, t.rows, t.bytes)
         self.durable = group[-1].watermark
+        self._write_failure = None
         self._wake_durable_waiters()
         acked = [t.watermark for t in group if not t.skip_ack]
         if acked:
@@ -573,3 +594,14 @@ class _HeldWrite:
             await cm.__aexit__(None, None, None)
         else:
             await cm.__aexit__(_Rollback, _Rollback(), None)
+
+
+def _describe(error: BaseException) -> str:
+    """An error for /ready's reason: its type and a short, redacted message."""
+    text = redact(" ".join(str(error).split()))
+    if len(text) > _ERROR_TEXT:
+        text = text[: _ERROR_TEXT - 1] + "…"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+_ERROR_TEXT = 120

@@ -123,7 +123,10 @@ async def server(tmp_path: Path) -> AsyncIterator[Server]:
 
 @pytest.fixture
 async def backup_server(tmp_path: Path) -> AsyncIterator[Server]:
-    async for s in start_server(tmp_path, backup_url="file:///backups/r"):
+    # No start-up delay: reservations are confirmed only by the change log's owner,
+    # and a reservation does not end the delay.
+    async for s in start_server(tmp_path, backup_url="file:///backups/r", startup_delay_s=0):
+        s.service.backups.set_coverage_target("01")  # the replica's position at start
         yield s
 
 

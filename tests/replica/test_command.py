@@ -114,8 +114,11 @@ async def backup(tmp_path: Path, unused_tcp_port: int) -> str:
 
 
 async def backed_up_server(tmp_path: Path, backup_url: str) -> AsyncIterator[Server]:
-    """Our server, naming ``backup_url`` and holding it as backed up at REPLICA_VERSION."""
-    async for server in start_server(tmp_path / "server", backup_url=backup_url):
+    """Our server, naming ``backup_url`` and holding it as backed up at REPLICA_VERSION
+    (no start-up delay: reservations are confirmed by the change log's owner, and a
+    reservation does not end the delay)."""
+    async for server in start_server(tmp_path / "server", backup_url=backup_url, startup_delay_s=0):
+        server.service.backups.set_coverage_target(REPLICA_VERSION)
         server.service.backups.track(REPLICA_VERSION)
         yield server
 

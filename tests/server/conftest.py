@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import uvicorn
 
+from app.runtime.lifecycle import NodeLifecycle
 from app.server.admin_auth import AdminAuth
 from app.server.app import create_app
 from app.server.http_protocol import GuardedHttpProtocol
@@ -76,6 +77,7 @@ async def start_server(
     handshakes_per_s: float = 50.0,
     auth: AdminAuth | None = None,
     per_message_deflate: bool = False,
+    startup_delay_s: float = 3600,
     **options: Any,
 ) -> AsyncGenerator[Server, None]:
     """The service behind uvicorn with the protocols (and their bounds) `serve` uses
@@ -83,7 +85,13 @@ async def start_server(
     db, source, service = await new_service(tmp_path, task_id="server-test", **options)
     port = free_port()
     http = GuardedHttpProtocol.with_limits(max_pending, handshake_timeout_s, handshakes_per_s)
-    app = create_app(db, service, startup_delay_s=3600, connection_limits=http.limits, auth=auth)
+    app = create_app(
+        db,
+        service,
+        lifecycle=NodeLifecycle(startup_delay_s=startup_delay_s),
+        connection_limits=http.limits,
+        auth=auth,
+    )
     # The websocket protocol `changestreamer serve` uses.
     config = uvicorn.Config(
         app,

@@ -66,7 +66,7 @@ async def test_acks_count_as_liveness_and_silence_does_not(tmp_path: Path) -> No
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(db, service, startup_delay_s=0),
+            create_app(db, service),
             host="127.0.0.1",
             port=port,
             log_level="warning",

@@ -257,7 +257,8 @@ async def test_a_backup_subscription_does_not_end_the_startup_delay(server: Serv
 async def test_a_snapshot_reservation_streams_its_status_and_ends_on_subscribe(
     tmp_path: Path,
 ) -> None:
-    async for server in start_server(tmp_path, backup_url="file:///backups/r"):
+    async for server in start_server(tmp_path, backup_url="file:///backups/r", startup_delay_s=0):
+        server.service.backups.set_coverage_target("01")  # the replica's position
         async with connect(f"{server.url}/replication/v6/snapshot?taskID=t1") as snap:
             # No backup yet: the coverage gate holds the stream back, and the
             # reservation waits for one.

@@ -21,9 +21,12 @@ BACKUP_URL = "file:///backups/replica"
 
 @pytest.fixture
 async def backed_up(tmp_path: Path) -> Any:
-    async for server in start_server(tmp_path, backup_url=BACKUP_URL):
+    # No start-up delay: a reservation does not end it, and reservations are
+    # confirmed only by the change log's owner.
+    async for server in start_server(tmp_path, backup_url=BACKUP_URL, startup_delay_s=0):
         # A backup of the replica exists: the coverage gate is open (the stream may
         # start), and reservations are confirmed at it.
+        server.service.backups.set_coverage_target("01")
         server.service.backups.track("01")
         yield server
 
