@@ -87,6 +87,9 @@ class LitestreamOptions:
     log_level: str = "warn"
     log_format: str = "text"
     config_path: Path | None = None
+    # litestream's control socket (``socket:``), where a sync is forced
+    # (``LitestreamRunner.sync``); None: no socket (a restore's configuration).
+    socket_path: Path | None = None
 
     def variables(self) -> dict[str, str]:
         """The variables zero-cache sets for its litestream (commands.ts' names)."""
@@ -170,7 +173,15 @@ def render(options: LitestreamOptions, environ: Mapping[str, str] | None = None)
     if missing:
         where = options.config_path or "the built-in litestream template"
         raise BackupConfigError(f"{where} uses {', '.join(sorted(set(missing)))}, which is not set")
+    if options.socket_path is not None and not _SOCKET_KEY.search(text):
+        # The control socket is ours to use (0600 by litestream's default): added to
+        # any template, zero-cache's own config.yml included, that has none.
+        text = text.rstrip("\n") + f"\nsocket:\n  enabled: true\n  path: {options.socket_path}\n"
     return text
+
+
+# A top-level ``socket:`` key in a litestream configuration.
+_SOCKET_KEY: Final = re.compile(r"^socket\s*:", re.MULTILINE)
 
 
 def find_executable(configured: str | None) -> Path:

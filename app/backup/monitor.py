@@ -9,12 +9,12 @@ repeated ones are ignored.
 watermark reaches ``coverage_target``: the replica's ``stateVersion`` read when the
 monitor starts — a destination that is being filled again from scratch reports
 real but old watermarks first, and a view-syncer restoring it then would be far
-behind — or ``coverage_floor`` (the change log's head when this node started) if
-that is newer. The floor is what makes a node that restored a backup prove its own
-backup works before it takes the log over: the backup it restored reaches its
-replica's position at once, but only the backup of a replica that followed the log
-reaches the log's head. If the replica cannot be read the first watermark opens the
-gate, with a warning.
+behind. Every node backs up into a destination of its own
+(``app/backup/destinations.py``), empty when it starts, so reaching the target also
+proves that this node's own backups work; a restored replica reaches it with the
+first upload, which the node forces at start instead of waiting for the backup
+interval. If the replica cannot be read the first watermark opens the gate, with a
+warning.
 
 **Wedge alarm**: every ``check_interval_s`` the monitor compares the local
 position with the newest backed-up watermark. Behind for ``wedged_after_s``
@@ -51,7 +51,6 @@ class BackupMonitor:
         wedged_after_s: float,
         check_interval_s: float = DEFAULT_CHECK_INTERVAL_S,
         on_coverage_target: Callable[[str | None], None] | None = None,
-        coverage_floor: str = "",
         clock: Callable[[], float] = time.monotonic,
         backups: bool = True,
     ) -> None:
@@ -65,7 +64,6 @@ class BackupMonitor:
         self._check_interval_s = check_interval_s
         self._clock = clock
         self._on_coverage_target = on_coverage_target
-        self._coverage_floor = coverage_floor
         self.latest: BackedUpWatermark | None = None
         self.coverage_target: str | None = None
         self.covered = asyncio.Event()
@@ -79,9 +77,7 @@ class BackupMonitor:
         """Reads the stream until it ends; checks for a wedged backup meanwhile."""
         local = await asyncio.to_thread(self._read_local)
         self._local = local
-        self.coverage_target = (
-            max(local.watermark, self._coverage_floor) if local is not None else None
-        )
+        self.coverage_target = local.watermark if local is not None else None
         if self.coverage_target is None:
             log.warning("cannot read the replica's state: the first backup opens readiness")
         elif self._backups:

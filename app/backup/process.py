@@ -6,6 +6,15 @@ started again after a backoff (1 s doubling to 60 s, back to 1 s once a child ra
 for a minute). Every line the child prints is logged under ``litestream`` at the
 level litestream gave it (text or JSON log format), so one log shows both.
 
+``sync`` forces an upload of what the replica holds now, through litestream's
+control socket (``POST /sync`` with ``wait``): a node proves at start that its own
+destination holds its replica without waiting for the backup interval (zero's
+default is 15 minutes). The socket lives in a private directory of its own (a Unix
+socket's path must be short), removed with the run.
+
+The child is started with the kernel's parent-death signal and inherits the
+replica's lock (``app/supervise.py``), so it never outlives ``serve`` unnoticed.
+
 ``run_litestream`` runs one short command (``restore``, ``version``) with a time
 limit, for the restore path and the start-up check.
 """
@@ -14,13 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from app.backup.config import BackupConfigError, LitestreamOptions, render
 from app.child_env import child_env
@@ -45,6 +57,11 @@ RESTART_MAX_S: Final = 60.0
 # A child that ran this long was healthy: the next restart waits RESTART_INITIAL_S.
 STABLE_AFTER_S: Final = 60.0
 STOP_TIMEOUT_S: Final = 10.0
+# How long a forced sync may take (litestream's own ``timeout``), and reading its answer.
+SYNC_TIMEOUT_S: Final = 60.0
+MAX_REPLY: Final = 64 * 1024
+# The longest run that stays down, or crash-loop, before /ready says so.
+DOWN_AFTER_S: Final = 60.0
 
 _TEXT_LEVEL = re.compile(r"\blevel=([A-Za-z]+)")
 _TEXT_TIME = re.compile(r"^time=\S+\s+")
@@ -87,8 +104,12 @@ def remove_config(options: LitestreamOptions, purpose: str = "replicate") -> Non
 class LitestreamRunner:
     """Keeps ``litestream replicate`` running for one replica (``app.supervise``)."""
 
-    def __init__(self, options: LitestreamOptions) -> None:
-        self._options = options
+    def __init__(self, options: LitestreamOptions, *, pass_fds: tuple[int, ...] = ()) -> None:
+        """``pass_fds``: what the child inherits (the replica's lock)."""
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="changestreamer-ls-"))
+        self._options = options = dataclasses.replace(
+            options, socket_path=self._socket_dir / "control.sock"
+        )
         self._child = SupervisedChild(
             ChildSpec(
                 name="litestream",
@@ -101,6 +122,8 @@ class LitestreamRunner:
                 stable_after_s=STABLE_AFTER_S,
                 stop_timeout_s=STOP_TIMEOUT_S,
                 start_errors=(OSError, BackupConfigError),
+                pass_fds=pass_fds,
+                parent_death_signal=True,
             )
         )
 
@@ -112,6 +135,14 @@ class LitestreamRunner:
     def running(self) -> bool:
         return self._child.running
 
+    @property
+    def pid(self) -> int | None:
+        return self._child.state.pid
+
+    def problem(self) -> str | None:
+        """``/ready``'s reason while litestream crash-loops or has been down for long."""
+        return self._child.problem(down_after_s=DOWN_AFTER_S)
+
     async def run(self) -> None:
         """Runs the child until ``stop``, restarting it with backoff when it exits."""
         log.info("backing up %s to %s", self._options.replica_file, self._options.backup_url)
@@ -120,6 +151,40 @@ class LitestreamRunner:
         finally:
             # litestream has read it; it holds secrets, so it does not outlive the run.
             await asyncio.to_thread(remove_config, self._options)
+            await asyncio.to_thread(shutil.rmtree, self._socket_dir, True)
+
+    async def sync(self, timeout_s: float = SYNC_TIMEOUT_S) -> int:
+        """Uploads what the replica holds now and waits for the destination to have
+        it; the transaction ID replicated. Raises ``RuntimeError`` saying why not
+        (litestream not running yet, an upload that failed)."""
+        socket_path = self._options.socket_path
+        assert socket_path is not None
+        if not self.running:
+            raise RuntimeError("litestream is not running")
+        body = json.dumps(
+            {"path": str(self._options.replica_file), "wait": True, "timeout": int(timeout_s)}
+        ).encode()
+        request = (
+            b"POST /sync HTTP/1.1\r\nHost: litestream\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        try:
+            reader, writer = await within(asyncio.open_unix_connection(str(socket_path)), 5.0)
+        except (OSError, TimeoutError) as e:
+            raise RuntimeError(f"litestream's control socket does not answer: {e}") from None
+        try:
+            writer.write(request)
+            reply = await within(_read_reply(reader), timeout_s + 5.0)
+        except (OSError, TimeoutError) as e:
+            raise RuntimeError(f"litestream's sync did not answer: {e!r}") from None
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        status, answer = _http_reply(reply)
+        if status != 200:
+            raise RuntimeError(f"litestream's sync failed: {answer.get('error') or status}")
+        return int(answer.get("replicated_txid") or 0)
 
     async def stop(self) -> None:
         """Stops the child (SIGTERM, then SIGKILL after STOP_TIMEOUT_S)."""
@@ -134,6 +199,31 @@ class LitestreamRunner:
             str(config),
             "-no-expand-env",
         ]
+
+
+async def _read_reply(reader: asyncio.StreamReader) -> bytes:
+    """The whole reply (the server closes the connection after it), ``MAX_REPLY`` at most."""
+    reply = b""
+    while len(reply) < MAX_REPLY:
+        chunk = await reader.read(MAX_REPLY - len(reply))
+        if not chunk:
+            break
+        reply += chunk
+    return reply
+
+
+def _http_reply(reply: bytes) -> tuple[int, dict[str, Any]]:
+    """An HTTP/1.1 reply's status and JSON body (``{}`` when it has none)."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return 0, {"error": "not an HTTP reply"}
+    try:
+        parsed = json.loads(body) if body.strip() else {}
+    except ValueError:
+        parsed = {"error": body[:200].decode("utf-8", "replace")}
+    return status, parsed if isinstance(parsed, dict) else {}
 
 
 def parse_line(line: str) -> tuple[int, str]:

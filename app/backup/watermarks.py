@@ -90,13 +90,22 @@ def _now_ms() -> int:
 class _Stoppable:
     def __init__(self) -> None:
         self._stopped = asyncio.Event()
+        self._woken = asyncio.Event()
 
     def stop(self) -> None:
         self._stopped.set()
+        self._woken.set()
+
+    def wake(self) -> None:
+        """Cuts the current wait short: the next poll happens now (something new was
+        uploaded)."""
+        self._woken.set()
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await within(self._stopped.wait(), seconds)
+            await within(self._woken.wait(), seconds)
+        if not self._stopped.is_set():
+            self._woken.clear()
 
 
 class ReplicaPoller(_Stoppable):

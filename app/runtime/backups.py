@@ -3,10 +3,15 @@
 Per configuration (wire.md §6, written down in docs/architecture.md):
 
 * **A backup URL** (``ZERO_LITESTREAM_BACKUP_URL``, Postgres upstream): litestream
-  v0.5 backs the replica up as a child process; the ``VfsPoller`` reads the
-  *destination* back through the litestream VFS, so every watermark the streamer
-  purges or reserves at is one a restore really gets. ``/ready`` waits until the
-  backup covers the replica (the coverage gate) and says so when it is wedged.
+  v0.5 backs the replica up as a child process, into a destination of this node's
+  own under the URL (``app/backup/destinations.py``: at most one litestream ever
+  writes a destination); the ``VfsPoller`` reads the *destination* back through the
+  litestream VFS, so every watermark the streamer purges or reserves at is one a
+  restore really gets. ``/ready`` waits until the backup covers the replica (the
+  coverage gate): once the monitor has read the replica's position, litestream is
+  made to upload at once (``LitestreamRunner.sync``) rather than at its next interval,
+  and the poller reads the destination again. ``/ready`` says when the backup is
+  wedged, or litestream crash-loops or has been down for a minute.
 * **No backup URL**: the ``ReplicaPoller`` offers the local position — the
   replica's ``stateVersion`` when the service keeps its replica current, else the
   change log's durable watermark (demo source, ``CHANGESTREAMER_FOLLOW_REPLICA=false``)
@@ -26,8 +31,11 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
+from app.backoff import Backoff
 from app.backup.config import BackupConfigError, LitestreamOptions, find_executable
+from app.backup.destinations import resolve
 from app.backup.monitor import BackupMonitor
 from app.backup.process import LitestreamRunner, check_version
 from app.backup.restore import Restored, RestoreError, restore_replica
@@ -40,7 +48,9 @@ from app.backup.watermarks import (
 )
 from app.config import Settings
 from app.runtime.held_reservation import HeldReservation
+from app.streamer.backup_watch import BackupWatch
 from app.streamer.service import ChangeStreamerService
+from app.timeouts import within
 
 __all__ = [
     "BackupConfigError",
@@ -55,15 +65,22 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# Retries of the first upload, until the gate opens (litestream may still be starting).
+FIRST_UPLOAD_RETRY_S: Final = 1.0
+FIRST_UPLOAD_RETRY_MAX_S: Final = 30.0
 
-def litestream_options(settings: Settings, replica_file: Path | None = None) -> LitestreamOptions:
-    """The settings' litestream options for ``replica_file`` (default ZERO_REPLICA_FILE)."""
+
+def litestream_options(
+    settings: Settings, replica_file: Path | None = None, *, backup_path: str | None = None
+) -> LitestreamOptions:
+    """The settings' litestream options for ``replica_file`` (default ZERO_REPLICA_FILE)
+    and the destination ``backup_path`` under ZERO_LITESTREAM_BACKUP_URL (None: the URL)."""
     if not settings.litestream_backup_url:
         raise BackupConfigError("ZERO_LITESTREAM_BACKUP_URL is not set")
     return LitestreamOptions(
         executable=find_executable(settings.litestream_executable),
         replica_file=(replica_file or settings.replica_file).absolute(),
-        backup_url=settings.litestream_backup_url,
+        backup_url=resolve(settings.litestream_backup_url, backup_path),
         endpoint=settings.litestream_endpoint,
         region=settings.litestream_region,
         port=settings.litestream_port_resolved,
@@ -166,7 +183,8 @@ class Backups:
 
     @property
     def problem(self) -> str | None:
-        return self.monitor.problem
+        down = self.runner.problem() if self.runner is not None else None
+        return down or self.monitor.problem
 
     async def stop(self) -> None:
         if self.poller is not None:
@@ -181,9 +199,16 @@ class Backups:
 
 
 def start_backups(
-    service: ChangeStreamerService, settings: Settings, *, replica_file: Path | None
+    service: ChangeStreamerService,
+    settings: Settings,
+    *,
+    replica_file: Path | None,
+    backup_path: str | None = None,
+    lock_fd: int | None = None,
 ) -> Backups:
-    """Starts what this configuration needs (module docstring).
+    """Starts what this configuration needs (module docstring): backups of
+    ``replica_file`` into ``backup_path`` under the backup URL; litestream inherits
+    ``lock_fd`` (the replica's lock, ``app/runtime/replica_lock.py``).
 
     The service stops it (``service.stop`` awaits ``Backups.stop``).
     """
@@ -196,8 +221,8 @@ def start_backups(
     runner: LitestreamRunner | None = None
     poller: VfsPoller | ReplicaPoller
     if settings.litestream_backup_url and replica_file is not None:
-        options = litestream_options(settings, replica_file)
-        runner = LitestreamRunner(options)
+        options = litestream_options(settings, replica_file, backup_path=backup_path)
+        runner = LitestreamRunner(options, pass_fds=() if lock_fd is None else (lock_fd,))
         probe = VfsProbe(
             options.vfs_url(),
             vfs_extension(settings),
@@ -215,8 +240,6 @@ def start_backups(
         local,
         wedged_after_s=wedged_after_s,
         on_coverage_target=service.backups.set_coverage_target,
-        # The change log's head as this node found it (its coverage target so far).
-        coverage_floor=service.backups.coverage_target or "",
         backups=runner is not None,
     )
     backups = Backups(monitor, runner, poller)
@@ -233,14 +256,46 @@ def start_backups(
 
     if runner is not None:
         backups._tasks.append(asyncio.create_task(runner.run(), name="litestream"))
+        assert isinstance(poller, VfsPoller)
+        first = force_first_upload(runner, poller, service.backups)
+        backups._tasks.append(asyncio.create_task(first, name="first backup"))
     backups._tasks.append(asyncio.create_task(run_monitor(), name="backup monitor"))
     return backups
 
 
+async def force_first_upload(
+    runner: LitestreamRunner, poller: VfsPoller, watch: BackupWatch
+) -> None:
+    """Has litestream upload the replica once the monitor has read its position, and
+    again (with backoff) until the gate opens: the coverage gate then waits for one
+    upload, not for ``ZERO_LITESTREAM_INCREMENTAL_BACKUP_INTERVAL_MINUTES``."""
+    await watch.wait_target()
+    retry = Backoff(FIRST_UPLOAD_RETRY_S, FIRST_UPLOAD_RETRY_MAX_S)
+    failure: str | None = None
+    while not watch.covered():
+        try:
+            txid = await runner.sync()
+        except RuntimeError as e:
+            if str(e) != failure:  # once per reason: litestream may still be starting
+                log.info("the first upload of the replica is not made yet: %s", e)
+            failure = str(e)
+        else:
+            log.info("the replica is uploaded to its backup (transaction %d)", txid)
+            poller.wake()  # read the destination now, not at the next probe
+        with contextlib.suppress(TimeoutError):
+            await within(watch.wait_covered(), retry.next_delay())
+
+
 async def restore_if_missing(
-    settings: Settings, *, replica_version: str | None, owner_address: str | None
+    settings: Settings,
+    *,
+    replica_version: str | None,
+    owner_address: str | None,
+    backup_path: str | None,
 ) -> tuple[Restored | None, HeldReservation | None]:
-    """Restores ZERO_REPLICA_FILE from the backup when it is missing (zero-cache's way).
+    """Restores ZERO_REPLICA_FILE from the backup when it is missing (zero-cache's way),
+    from ``backup_path`` under the backup URL: where the change log's owner backs up,
+    as it recorded upstream (None: the URL itself, where earlier versions backed up).
 
     ``replica_version`` (the change DB's) must match the backup's. With an
     ``owner_address`` (another node owns the change log) a snapshot reservation is
@@ -251,7 +306,7 @@ async def restore_if_missing(
     """
     if not settings.litestream_backup_url or settings.replica_file.exists():
         return None, None
-    options = litestream_options(settings)
+    options = litestream_options(settings, backup_path=backup_path)
     held: HeldReservation | None = None
     if owner_address:
         held = HeldReservation(

@@ -129,13 +129,19 @@ def publications_mismatch(configured: list[str], synced: tuple[str, ...]) -> str
 
 
 async def custom_service(
-    settings: Settings, db: ChangeDb, prepared: PreparedCustom, *, address: str
+    settings: Settings,
+    db: ChangeDb,
+    prepared: PreparedCustom,
+    *,
+    address: str,
+    backup_path: str | None = None,
 ) -> ReplicaRuntime:
-    """Steps 2 and 3: the change DB tied to the replica, and the service over the source."""
+    """Steps 2 and 3: the change DB tied to the replica, and the service over the source
+    (``backup_path``: where this node backs up, under the backup URL)."""
     state = prepared.replica
     source = _source(settings, prepared.url, state)
     service = await service_over_replica(
-        settings, db, source, state, state.publications, address=address
+        settings, db, source, state, state.publications, address=address, backup_path=backup_path
     )
     log.info(
         "replicating custom change source %s; replica %s at %s",

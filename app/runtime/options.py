@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+from app.backup.destinations import resolve
 from app.config import Settings
 from app.runtime.memory_limit import back_pressure_bytes
 from app.streamer.service import StreamerOptions
@@ -12,7 +13,9 @@ from app.streamer.storer import DEFAULT_BACK_PRESSURE_BYTES
 __all__ = ["streamer_options", "task_id"]
 
 
-def streamer_options(settings: Settings) -> StreamerOptions:
+def streamer_options(settings: Settings, *, backup_path: str | None = None) -> StreamerOptions:
+    """The service's options; ``backup_path``: this node's destination under the backup
+    URL (``app/backup/destinations.py``), what reservations tell view-syncers."""
     return StreamerOptions(
         back_pressure_bytes=back_pressure_bytes(
             settings.back_pressure_bytes,
@@ -33,7 +36,11 @@ def streamer_options(settings: Settings) -> StreamerOptions:
         replication_password=settings.replication_password,
         max_reservations=settings.max_reservations,
         auto_reset=settings.auto_reset,
-        backup_url=settings.litestream_backup_url,
+        backup_url=(
+            resolve(settings.litestream_backup_url, backup_path)
+            if settings.litestream_backup_url
+            else None
+        ),
         reservation_max_s=settings.reservation_max_s,
         replica_file=str(settings.replica_file) if settings.upstream_db else None,
         purge_delay_s=settings.purge_delay_s,

@@ -32,6 +32,7 @@ from app.logs import redacted_conninfo
 from app.replica.schema import ReplicaState, read_replica_state, remove_replica_files
 from app.runtime.backups import RestoreError, restore_if_missing
 from app.runtime.held_reservation import HeldReservation
+from app.runtime.options import task_id
 from app.runtime.replica_runtime import (
     ReplicaRuntime,
     UpstreamSetupError,
@@ -41,7 +42,12 @@ from app.sources.postgres.conninfo import ConnectError, async_connect, parse_con
 from app.sources.postgres.errors import AutoResetRequired, ShardSetupError
 from app.sources.postgres.initial_sync import DEFAULT_WORKERS, InitialSyncError, initial_sync
 from app.sources.postgres.shard import ShardConfig
-from app.sources.postgres.slots import ReplicaRow, check_replica, failover_refusal
+from app.sources.postgres.slots import (
+    ReplicaRow,
+    check_replica,
+    failover_refusal,
+    recorded_backup_path,
+)
 from app.sources.postgres.source import PostgresChangeSource, PostgresSourceOptions
 from app.storage import (
     ChangeDb,
@@ -53,6 +59,7 @@ __all__ = [
     "PostgresRuntime",
     "PreparedUpstream",
     "UpstreamSetupError",
+    "owner_backup_path",
     "postgres_service",
     "prepare_upstream",
 ]
@@ -121,10 +128,18 @@ async def prepare_upstream(settings: Settings, db: ChangeDb) -> PreparedUpstream
 
 
 async def postgres_service(
-    settings: Settings, db: ChangeDb, prepared: PreparedUpstream, *, address: str
+    settings: Settings,
+    db: ChangeDb,
+    prepared: PreparedUpstream,
+    *,
+    address: str,
+    backup_path: str | None = None,
 ) -> PostgresRuntime:
-    """Steps 2 and 3: the change DB tied to the replica, and the service over the slot."""
+    """Steps 2 and 3: the change DB tied to the replica, and the service over the slot.
+    ``backup_path``: where this node backs up (under the backup URL), recorded in the
+    replica's ``replicas`` row when it takes the slot over."""
     state, row = prepared.replica, prepared.row
+    task = task_id(settings)
     source = PostgresChangeSource(
         prepared.url,
         PostgresSourceOptions(
@@ -135,6 +150,8 @@ async def postgres_service(
             ddl_detection=row.ddl_detection,
             initial_schema=dict(row.initial_schema) if row.initial_schema is not None else None,
             replica_id=row.id,
+            task_id=task,
+            backup_path=backup_path,
             silence_timeout_s=(
                 settings.upstream_pg_stream_inbound_timeout_ms / 1000
                 if settings.upstream_pg_stream_inbound_timeout_ms is not None
@@ -147,7 +164,15 @@ async def postgres_service(
         time.monotonic() - prepared.restore_started if prepared.restore_started is not None else 0.0
     )
     service = await service_over_replica(
-        settings, db, source, state, row.publications, address=address, restore_s=restore_s
+        settings,
+        db,
+        source,
+        state,
+        row.publications,
+        address=address,
+        restore_s=restore_s,
+        backup_path=backup_path,
+        task=task,
     )
     log.info(
         "replicating %s through slot %s; replica %s at %s",
@@ -241,11 +266,17 @@ async def _restore_if_missing(
     whether the replica was restored.)"""
     state = await replication.state()
     owner = state.owner_address if state is not None and state.owner != settings.task_id else None
+    version = existing.replica_version if existing is not None else None
     try:
         restored, held = await restore_if_missing(
             settings,
-            replica_version=existing.replica_version if existing is not None else None,
+            replica_version=version,
             owner_address=owner,
+            backup_path=(
+                await owner_backup_path(settings, version)
+                if not settings.replica_file.exists()
+                else None
+            ),
         )
     except RestoreError as e:
         if not settings.auto_reset:
@@ -253,6 +284,23 @@ async def _restore_if_missing(
         log.warning("%s: re-syncing the replica from upstream instead (ZERO_AUTO_RESET)", e)
         return None, False
     return held, restored is not None
+
+
+async def owner_backup_path(settings: Settings, replica_version: str | None) -> str | None:
+    """Where the owner of the replica at ``replica_version`` (None: the newest) backs up,
+    under ZERO_LITESTREAM_BACKUP_URL, as it recorded upstream when it took the slot
+    over; None when nothing is recorded (then the URL itself holds the backup)."""
+    if not settings.litestream_backup_url or not settings.upstream_db:
+        return None
+    cfg = ShardConfig(app_id=settings.app_id, shard_num=settings.shard_num, publications=())
+    try:
+        async with await async_connect(settings.upstream_db, autocommit=True) as conn:
+            path = await recorded_backup_path(conn, cfg, replica_version)
+    except (psycopg.Error, ConnectError) as e:
+        raise UpstreamSetupError(f"upstream {redacted_conninfo(settings.upstream_db)}: {e}") from e
+    if path is not None:
+        log.info("the change log's owner backs up to %s", path)
+    return path
 
 
 async def _check(upstream: str, cfg: ShardConfig, replica_version: str) -> ReplicaRow:

@@ -10,10 +10,12 @@ and a subscriber's ack lag (``durable_wait_s``); the coarse ``commit_clock`` giv
 the purger its time-based retention floor.
 
 ``covered`` is ``/ready``'s gate and the takeover's: with backups configured, a
-backup must reach ``coverage_target`` (the change log's durable position when this
-task started, until the monitor reads the replica's; None when the monitor cannot
-read it, and then the first backup opens the gate, as the monitor has it) before a
-view-syncer may restore from it, and before this node takes the change log over.
+backup must reach ``coverage_target`` — the replica's ``stateVersion`` when the
+backup monitor started (seed 000: a restored replica is covered by the backup it came
+from as soon as this node's own destination holds it), or None when the monitor
+cannot read it, and then the first backup opens the gate — before a view-syncer may
+restore from it, and before this node takes the change log over. Until the monitor
+has set the target (``wait_target``) the gate is closed.
 
 Backups are watched from the start, but the listeners hear of them only once this
 task owns the change log (``activate``): a node that does not own it yet must not
@@ -54,14 +56,15 @@ class BackupWatch:
         *,
         backup_url: str | None,
         replica_file: str | None,
-        coverage_target: str | None,
         clock: Callable[[], float],
         retention_s: float = 0.0,
     ) -> None:
         """``retention_s``: the change log kept at least this long (0: no commit clock)."""
         self.backup_url = backup_url
         self.replica_file = replica_file
-        self.coverage_target = coverage_target
+        # Set by the backup monitor once it read the replica (``set_coverage_target``).
+        self.coverage_target: str | None = None
+        self._target_set = asyncio.Event()
         # The newest backed-up watermark (None: no backup seen yet).
         self.watermark: str | None = None
         # The running backups (set by app.runtime.backups; the service stops them).
@@ -101,7 +104,13 @@ class BackupWatch:
     def set_coverage_target(self, target: str | None) -> None:
         """The replica's position the gate waits for (None: the first backup)."""
         self.coverage_target = target
+        self._target_set.set()
         self._check_covered()
+
+    async def wait_target(self) -> None:
+        """Returns once the monitor set the coverage target (at once without backups)."""
+        if self.backup_url is not None:
+            await self._target_set.wait()
 
     def covered(self) -> bool:
         """No backups configured, or one has reached the coverage target (once it
@@ -115,8 +124,10 @@ class BackupWatch:
     def _check_covered(self) -> None:
         if self._covered.is_set():
             return
-        reached = self.watermark is not None and (
-            self.coverage_target is None or self.watermark >= self.coverage_target
+        reached = (
+            self._target_set.is_set()
+            and self.watermark is not None
+            and (self.coverage_target is None or self.watermark >= self.coverage_target)
         )
         if self.backup_url is None or reached:
             self._covered.set()

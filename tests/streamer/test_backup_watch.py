@@ -17,10 +17,17 @@ class Clock:
         return self.now
 
 
-def watch(clock: Clock, backup_url: str | None = "file:///b", **kwargs: float) -> BackupWatch:
-    return BackupWatch(
-        backup_url=backup_url, replica_file=None, coverage_target="05", clock=clock, **kwargs
-    )
+_UNSET = "unset"
+
+
+def watch(
+    clock: Clock, backup_url: str | None = "file:///b", target: str | None = "05", **kwargs: float
+) -> BackupWatch:
+    """A watch whose monitor read the replica at ``target`` (``_UNSET``: not yet)."""
+    w = BackupWatch(backup_url=backup_url, replica_file=None, clock=clock, **kwargs)
+    if target != _UNSET:
+        w.set_coverage_target(target)
+    return w
 
 
 def test_each_backed_up_watermark_reaches_every_listener_in_order_even_an_older_one() -> None:
@@ -58,6 +65,19 @@ def test_before_this_task_owns_the_log_backups_reach_the_gate_but_no_listener() 
     assert heard == ["06"]
     w.track("08")
     assert heard == ["06", "08"]
+
+
+async def test_no_backup_opens_the_gate_before_the_monitor_read_the_replica() -> None:
+    w = watch(Clock(), target=_UNSET)
+    waiter = asyncio.ensure_future(w.wait_target())
+    w.track("09")
+    await asyncio.sleep(0)
+    assert not w.covered()
+    assert not waiter.done()
+    w.set_coverage_target("07")  # the newest backup already covers it
+    await asyncio.wait_for(waiter, 1)
+    assert w.covered()
+    await asyncio.wait_for(watch(Clock(), backup_url=None, target=_UNSET).wait_target(), 1)
 
 
 def test_without_a_replica_position_the_first_backup_opens_the_gate() -> None:

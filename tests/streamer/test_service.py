@@ -742,18 +742,21 @@ async def test_backup_lag_is_the_age_of_the_oldest_commit_no_backup_covers(svc: 
     assert svc.service.backups.lag_s() == 0.0
 
 
-async def test_the_coverage_gate_needs_a_backup_at_the_start_position(change_db: ChangeDb) -> None:
+async def test_the_coverage_gate_needs_a_backup_at_the_replica_s_start_position(
+    change_db: ChangeDb,
+) -> None:
     s = Service(change_db, backup_url="file:///b")
     assert not s.service.backups.covered()
-    s.service.backups.track("00")
-    assert not s.service.backups.covered()  # behind the replica at start (01)
     s.service.backups.track("01")
+    assert not s.service.backups.covered()  # the monitor has not read the replica yet
+    s.service.backups.set_coverage_target("01")  # what it read
     assert s.service.backups.covered()
     await s.stop()
 
 
 async def test_a_snapshot_is_a_copy_of_the_service_at_one_moment(change_db: ChangeDb) -> None:
     s = Service(change_db, backup_url="file:///b")
+    s.service.backups.set_coverage_target("01")  # the replica's position at start
     stream = await s.stream()
     stream.push_all(txn("02"))
     await s.durable("02")

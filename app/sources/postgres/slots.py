@@ -9,6 +9,10 @@ starting initial sync and a running change source never fight over a slot:
   its ``replicas`` row while holding the lock;
 * :func:`record_initial_sync` marks the replica usable once the copy is done;
 * :func:`check_replica` is the start-up check of a replica that already exists;
+* :func:`record_takeover` writes, when a node takes the slot over, the row's
+  ``subscriberContext`` (as zero does): the node's task and the sub-path it backs up
+  to (``app/backup/destinations.py``), which :func:`recorded_backup_path` reads for
+  a node that restores;
 * :func:`drop_unclaimed_slots`, :func:`drop_slot` clean up.
 """
 
@@ -45,6 +49,8 @@ __all__ = [
     "drop_unclaimed_slots",
     "failover_refusal",
     "record_initial_sync",
+    "record_takeover",
+    "recorded_backup_path",
     "slot_health",
     "slot_name_prefix",
     "slot_pool_suffix",
@@ -304,6 +310,52 @@ async def record_initial_sync(
     )
     if cur.rowcount != 1:
         raise AutoResetRequired(f"replica {replica_id} is no longer registered upstream")
+
+
+# --- the owner's backups -----------------------------------------------------------------
+
+
+async def record_takeover(
+    conn: psycopg.AsyncConnection[Any],
+    cfg: ShardConfig,
+    replica_id: str,
+    *,
+    task_id: str,
+    backup_path: str | None,
+) -> None:
+    """Records the node that took the replica's slot over, and where it backs up.
+
+    zero-cache 1.9.0 writes its server context into ``subscriberContext`` here too
+    (and reads it only for its logs); newer versions keep the backup's sub-path in a
+    column of its own, which this shard's schema (v23) does not have.
+    """
+    context: dict[str, Any] = {"taskID": task_id}
+    if backup_path is not None:
+        context["backupPath"] = backup_path
+    await conn.execute(
+        f'UPDATE {_replicas(cfg)} SET "subscriberContext" = %s::json WHERE id = %s'.encode(),
+        [canonical_json.dumps(context), replica_id],
+    )
+
+
+async def recorded_backup_path(
+    conn: psycopg.AsyncConnection[Any], cfg: ShardConfig, replica_version: str | None
+) -> str | None:
+    """The backup sub-path the newest synced replica's owner recorded (at
+    ``replica_version`` if given), or None: none recorded, no such replica."""
+    try:
+        cur = await conn.execute(
+            f"""SELECT "subscriberContext"::text FROM {_replicas(cfg)}
+                  WHERE "initialSyncContext" IS NOT NULL AND (%s::text IS NULL OR version = %s)
+                  ORDER BY rank DESC LIMIT 1""".encode(),
+            [replica_version, replica_version],
+        )
+    except pgerrors.UndefinedTable:  # no shard set up yet
+        return None
+    row = await cur.fetchone()
+    context = _json_or_none(row[0]) if row is not None else None
+    path = context.get("backupPath") if isinstance(context, dict) else None
+    return path if isinstance(path, str) and path else None
 
 
 # --- checks ----------------------------------------------------------------------------

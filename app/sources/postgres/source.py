@@ -72,7 +72,11 @@ from app.sources.postgres.pgoutput import (
     standby_status_update,
 )
 from app.sources.postgres.shard import ShardConfig
-from app.sources.postgres.slots import drop_old_replicas_and_slots, slot_name_prefix
+from app.sources.postgres.slots import (
+    drop_old_replicas_and_slots,
+    record_takeover,
+    slot_name_prefix,
+)
 from app.sources.postgres.standby import StandbyAcker
 from app.sources.postgres.stats import SlotWalProbe, upstream_stats
 from app.sources.postgres.values import TypeRegistry, load_type_registry
@@ -116,6 +120,10 @@ class PostgresSourceOptions:
     # The replicas row of the replica being served: older replicas' slots are
     # dropped when a stream starts (after a re-sync they would pin WAL).
     replica_id: str | None = None
+    # Who takes the slot over and where its backups go, recorded in that row when a
+    # stream starts (``slots.record_takeover``), for the next node that restores.
+    task_id: str | None = None
+    backup_path: str | None = None
 
 
 class PostgresChangeSource(ChangeSource):
@@ -202,6 +210,15 @@ class PostgresChangeSource(ChangeSource):
             wal_sender_timeout_s = await _wal_sender_timeout_s(conn)
             await _take_over_slot(conn, opts.slot)
             if opts.replica_id is not None:
+                if opts.task_id is not None:
+                    shard = ShardConfig(opts.app_id, opts.shard_num)
+                    await record_takeover(
+                        conn,
+                        shard,
+                        opts.replica_id,
+                        task_id=opts.task_id,
+                        backup_path=opts.backup_path,
+                    )
                 await _drop_older_replicas(conn, opts)
         start_lsn = parse_state_version(after_watermark).major + 1
         replication = await ReplicationConnection.connect(self._url)
