@@ -9,8 +9,11 @@ spec's ``parse_line`` reads from it. ``stop`` sends SIGTERM and, after
 
 The child gets a pipe as stdin that only we hold: when this process dies, even by
 SIGKILL, the child reads EOF there and can end itself instead of living on as an
-orphan (``changestreamer replicate --stop-on-stdin-eof`` does; litestream ignores
-it and is stopped by ``stop``).
+orphan (``changestreamer replicate --stop-on-stdin-eof`` and the replica follower
+do). litestream ignores it: its spec asks for the kernel's parent-death signal
+(``parent_death_signal``), and it inherits the replica's lock (``pass_fds``), so a
+new ``serve`` refuses to start beside one that outlived its parent anyway.
+``problem`` says when a child crash-loops or has been down too long (``/ready``).
 
 Used for litestream (``app.backup.process``) and the service's own replica follower
 (``app.runtime.replica_follower``).
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import signal
 import time
 from collections import deque
@@ -64,6 +68,12 @@ class ChildState:
     last_exit: int | None = None
     last_exit_at: float | None = None
     recent_errors: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_LINES))
+    # Runs that ended in an error (a non-zero exit, or a failed start) with no run of
+    # ``stable_after_s`` in between; the monotonic time the running child started,
+    # and since when no child has been running (None while one runs).
+    failures_in_a_row: int = 0
+    started_at: float | None = None
+    down_since: float | None = None
 
 
 # A child's output line as a spec's ``parse_line`` reads it: its level, its message
@@ -106,6 +116,11 @@ class ChildSpec:
     start_errors: tuple[type[Exception], ...] = (OSError,)
     # Exit codes after which restarting cannot help: ``run`` returns them.
     final_exit_codes: frozenset[int] = frozenset()
+    # File descriptors the child inherits (the replica's lock: app/runtime/replica_lock.py).
+    pass_fds: tuple[int, ...] = ()
+    # The child gets SIGKILL when this process dies, even by SIGKILL, through the
+    # kernel's parent-death signal (for children that have no lifeline of their own).
+    parent_death_signal: bool = False
 
 
 class SupervisedChild:
@@ -120,6 +135,31 @@ class SupervisedChild:
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
+
+    def problem(
+        self, *, crash_loop_after: int = 3, down_after_s: float | None = None
+    ) -> str | None:
+        """Why the child cannot do its job now, or None: it failed ``crash_loop_after``
+        times in a row and has not run ``stable_after_s`` since, or (with
+        ``down_after_s``) no child has run for that long. A stopped child has none."""
+        if self._stopped.is_set():
+            return None
+        state, now = self.state, time.monotonic()
+        stable = (
+            self.running
+            and state.started_at is not None
+            and now - state.started_at >= self.spec.stable_after_s
+        )
+        if state.failures_in_a_row >= crash_loop_after and not stable:
+            return (
+                f"the {self.spec.name} failed {state.failures_in_a_row} times in a row "
+                f"(last exit code {state.last_exit})"
+            )
+        if down_after_s is not None and state.down_since is not None:
+            down_s = now - state.down_since
+            if down_s >= down_after_s:
+                return f"the {self.spec.name} has not been running for {down_s:.0f} s"
+        return None
 
     def send(self, data: bytes, *, max_buffered: int) -> bool:
         """Writes ``data`` to the child's stdin without waiting; False (nothing written)
@@ -137,13 +177,15 @@ class SupervisedChild:
         exits, or until it exits with one of the spec's final exit codes (returned)."""
         spec = self.spec
         backoff = Backoff(spec.restart_initial_s, spec.restart_max_s)
+        state = self.state
+        state.down_since = time.monotonic()
         while not self._stopped.is_set():
             started = time.monotonic()
             try:
                 code: int | None = await self._run_once()
             except spec.start_errors as e:
                 spec.log.error("cannot start %s: %s", spec.name, e)
-                self.state.recent_errors.append(str(e))
+                state.recent_errors.append(str(e))
                 code = None
             if self._stopped.is_set():
                 return None
@@ -152,6 +194,9 @@ class SupervisedChild:
                 return code
             if time.monotonic() - started >= spec.stable_after_s:
                 backoff.reset()
+                state.failures_in_a_row = 0
+            if code != 0:
+                state.failures_in_a_row += 1
             delay = backoff.next_delay()
             spec.log.warning("%s exited (code %s); restarting in %.1f s", spec.name, code, delay)
             with contextlib.suppress(TimeoutError):
@@ -175,9 +220,11 @@ class SupervisedChild:
 
     async def _run_once(self) -> int:
         spec = self.spec
-        argv = await spec.command()
+        argv = list(await spec.command())
         if self._stopped.is_set():
             return 0
+        if spec.parent_death_signal:
+            argv = with_parent_death_signal(argv)
         proc = await asyncio.create_subprocess_exec(
             *argv,
             env=spec.env(),
@@ -187,10 +234,12 @@ class SupervisedChild:
             stderr=asyncio.subprocess.STDOUT,
             limit=MAX_LINE,
             start_new_session=True,  # a ^C to serve reaches us, and we stop it in order
+            pass_fds=spec.pass_fds,
         )
         self._proc = proc
         self.state.pid = proc.pid
         self.state.starts += 1
+        self.state.started_at, self.state.down_since = time.monotonic(), None
         spec.log.info("%s started (pid %d)", spec.name, proc.pid)
         assert proc.stdout is not None
         try:
@@ -207,6 +256,7 @@ class SupervisedChild:
         self.state.last_exit = code
         self.state.last_exit_at = time.time()
         self.state.pid = None
+        self.state.started_at, self.state.down_since = None, time.monotonic()
         return code
 
     async def _relay(self, stream: asyncio.StreamReader) -> None:
@@ -224,3 +274,18 @@ class SupervisedChild:
             if parsed[0] >= logging.WARNING:
                 self.state.recent_errors.append(parsed[1])
             log_child_line(self.spec.log, parsed)
+
+
+# util-linux's setpriv sets the parent-death signal and then executes the child, so
+# that nothing runs in the forked child before exec (a preexec_fn is unsafe with
+# threads). Where it is missing (not Linux), the child runs without the signal and
+# the replica's lock still refuses a second start beside it.
+_SETPRIV: Final = shutil.which("setpriv")
+
+
+def with_parent_death_signal(argv: list[str]) -> list[str]:
+    """``argv`` run so that it gets SIGKILL when this process's thread that starts it
+    (the event loop's) ends, whatever ends it."""
+    if _SETPRIV is None:
+        return argv
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]

@@ -1,11 +1,13 @@
 """Restoring a replica from its litestream backup.
 
 ``restore_replica`` runs ``litestream restore`` into ``<replica>.restoring``,
-checks what arrived is a replica (and, when asked, of the expected replica
-version and no older than a watermark), and only then renames it over the
-replica file — a failed or interrupted restore leaves the old file (or none) in
-place, never half a database. Failed attempts are retried a bounded number of
-times; a destination with no backup is not a failure (``None``).
+checks what arrived is a whole, consistent replica (``PRAGMA integrity_check``: a
+restore of a torn backup is refused, not used — litestream's maintainers ask for
+the check too) and, when asked, of the expected replica version and no older than
+a watermark, and only then renames it over the replica file — a failed or
+interrupted restore leaves the old file (or none) in place, never half a database.
+Failed attempts are retried a bounded number of times (a live destination moves
+on between them); a destination with no backup is not a failure (``None``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -79,7 +82,22 @@ async def restore_replica(
             continue
         if not found:
             return None
-        state = _check(staging, options.backup_url, replica_version, min_watermark)
+        try:
+            state = await asyncio.to_thread(
+                _check, staging, options.backup_url, replica_version, min_watermark
+            )
+        except _TornBackup as e:
+            if attempt == attempts:
+                raise RestoreError(str(e)) from None
+            log.warning(
+                "restore attempt %d of %d failed: %s; retrying in %.0f s",
+                attempt,
+                attempts,
+                e,
+                retry_delay_s,
+            )
+            await asyncio.sleep(retry_delay_s)
+            continue
         size = staging.stat().st_size
         remove_replica_files(target)
         os.replace(staging, target)
@@ -135,9 +153,21 @@ async def _restore_once(options: LitestreamOptions, staging: Path, timeout_s: fl
     return os.path.exists(staging)  # noqa: ASYNC240 - one stat, after a long child
 
 
+class _TornBackup(Exception):
+    """The restored file is not a consistent database (worth another attempt)."""
+
+
+# Problems integrity_check reports, at most (the first one is the message).
+_INTEGRITY_ROWS = 5
+
+
 def _check(
     staging: Path, url: str, replica_version: str | None, min_watermark: str | None
 ) -> ReplicaState:
+    problem = _integrity_problem(staging)
+    if problem is not None:
+        remove_replica_files(staging)
+        raise _TornBackup(f"the backup restored from {url} is not a consistent database: {problem}")
     try:
         state = read_replica_state(staging)
     except ReplicaError as e:
@@ -156,6 +186,22 @@ def _check(
             f"older than the change log's start {min_watermark}"
         )
     return state
+
+
+def _integrity_problem(path: Path) -> str | None:
+    """SQLite's first integrity complaint about ``path`` (read-only), or None."""
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    except sqlite3.Error as e:
+        return str(e)
+    try:
+        rows = conn.execute(f"PRAGMA integrity_check({_INTEGRITY_ROWS})").fetchall()
+    except sqlite3.DatabaseError as e:
+        return str(e)
+    finally:
+        conn.close()
+    found = [str(row[0]) for row in rows if row[0] != "ok"]
+    return "; ".join(" ".join(found).split())[:300] if found else None
 
 
 def _remove_leftovers(staging: Path) -> None:

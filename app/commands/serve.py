@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from app import speedups
+from app.backup.destinations import new_backup_path
 from app.commands import CommandError
 from app.commands.migrate import migrate_change_db, open_change_db
 from app.commands.startup import read_settings, start_logging
@@ -45,6 +46,7 @@ from app.runtime.custom import (
     prepare_custom_upstream,
 )
 from app.runtime.gc_tuning import before_exit, tune_for_streaming
+from app.runtime.lifecycle import NodeLifecycle
 from app.runtime.memory import return_large_frees, trim_periodically
 from app.runtime.options import streamer_options, task_id
 from app.runtime.postgres import (
@@ -53,8 +55,9 @@ from app.runtime.postgres import (
     postgres_service,
     prepare_upstream,
 )
+from app.runtime.replica_lock import ReplicaLock, ReplicaLockedError
 from app.server.admin_auth import AdminAuth, check_startup
-from app.server.app import create_app, retired_reason
+from app.server.app import create_app
 from app.server.http_protocol import GuardedHttpProtocol
 from app.server.log_lines import limit_lines
 from app.server.ws_protocol import LivenessProtocol
@@ -88,9 +91,22 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CommandError(str(e), 2) from None
     for note in notes:
         log.info("%s", note)
-    db = migrate_change_db(settings)
-    log.info("speedups: %s", speedups.summary())  # which C helpers run (app/speedups.py)
-    return _serve(settings, db, host=args.host, port=args.port)
+    # One serve per replica, and none beside a litestream a killed one left behind.
+    lock = ReplicaLock(settings.replica_file) if settings.upstream_db else None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except ReplicaLockedError as e:
+            raise CommandError(str(e), 1) from None
+        except OSError as e:
+            raise CommandError(f"cannot lock the replica: {lock.path}: {e.strerror}", 1) from None
+    try:
+        db = migrate_change_db(settings)
+        log.info("speedups: %s", speedups.summary())  # which C helpers run (app/speedups.py)
+        return _serve(settings, db, lock, host=args.host, port=args.port)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 class _Server(uvicorn.Server):
@@ -113,26 +129,52 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _serve(settings: Settings, db: ChangeDb, *, host: str | None, port: int | None) -> int:
+def _serve(
+    settings: Settings,
+    db: ChangeDb,
+    lock: ReplicaLock | None,
+    *,
+    host: str | None,
+    port: int | None,
+) -> int:
     """Runs the server; after an auto-reset (a new replica is needed) builds it all again."""
     for attempt in range(MAX_AUTO_RESETS + 1):
         if attempt:
             log.warning("auto-reset: re-syncing the replica and restarting the service")
             db = open_change_db(settings)
-        outcome = _serve_once(settings, db, host=host, port=port)
+        outcome = _serve_once(settings, db, lock, host=host, port=port)
         if outcome != _AUTO_RESET:
             return outcome
     log.error("auto-reset %d times in a row; giving up", MAX_AUTO_RESETS)
     return 1
 
 
-def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int | None) -> int:
+def _serve_once(
+    settings: Settings,
+    db: ChangeDb,
+    lock: ReplicaLock | None,
+    *,
+    host: str | None,
+    port: int | None,
+) -> int:
     listen_host = host or settings.change_streamer_host
     listen_port = port or settings.listen_port
     address = discovery_address(settings, listen_host, listen_port)
-    still_retired = asyncio.run(_still_retired(settings, db))
-    if still_retired is not None:
-        return _serve_retired(settings, db, still_retired, host=listen_host, port=listen_port)
+    retired = asyncio.run(retirement.still_retired(settings, db))
+    if retired is not None:
+        return _serve_retired(settings, db, retired, host=listen_host, port=listen_port)
+    server: _Server | None = None
+
+    def shut_down() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    # restoring: the replica is restored or synced before the server listens.
+    lifecycle = NodeLifecycle(
+        startup_delay_s=settings.startup_delay_ms / 1000,
+        on_exit=shut_down,
+        on_retired=lambda lost: retirement.write(settings.replica_file, lost.owner),
+    )
     prepared: PreparedUpstream | PreparedCustom | None = None
     if settings.upstream_db:
         try:
@@ -148,31 +190,48 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
             return _AUTO_RESET
     # After a restore (Postgres only): the previous owner keeps its log until we own it.
     held = prepared.held_reservation if isinstance(prepared, PreparedUpstream) else None
-    server: _Server | None = None
+    # Backups go to a destination of this run's own (app/backup/destinations.py).
+    backup_path = (
+        new_backup_path(settings.task_id)
+        if settings.litestream_backup_url and prepared is not None
+        else None
+    )
+    lock_fd = lock.fd if lock is not None else None
     built: list[ChangeStreamerService] = []
     releasers: set[asyncio.Task[None]] = set()
-
-    def shut_down() -> None:
-        if server is not None:
-            server.should_exit = True
 
     async def build_service() -> ChangeStreamerService:
         if prepared is None:
             service = await demo_service(settings, db, address=address)
+            lifecycle.attach(service)
         else:
             runtime = (
-                await custom_service(settings, db, prepared, address=address)
+                await custom_service(
+                    settings, db, prepared, address=address, backup_path=backup_path
+                )
                 if isinstance(prepared, PreparedCustom)
-                else await postgres_service(settings, db, prepared, address=address)
+                else await postgres_service(
+                    settings, db, prepared, address=address, backup_path=backup_path
+                )
             )
+            service = runtime.service
+            lifecycle.attach(service, children=(runtime.wait_closed,))
             if settings.follow_replica:
-                runtime.start_backup(
+                follower = runtime.start_backup(
                     settings.change_db_url,
                     settings.shard,
                     log_level="debug" if settings.log_level == "debug" else "warning",
+                    lock_fd=lock_fd,
+                    litestream=bool(settings.litestream_backup_url),
                 )
-            service = runtime.service
-        start_backups(service, settings, replica_file=settings.replica_file if prepared else None)
+                lifecycle.add_check(follower.problem)
+        start_backups(
+            service,
+            settings,
+            replica_file=settings.replica_file if prepared else None,
+            backup_path=backup_path,
+            lock_fd=lock_fd,
+        )
         if held is not None:
 
             async def release_once_owner() -> None:
@@ -190,13 +249,11 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     app = create_app(
         db,
         service_factory=build_service,
-        startup_delay_s=settings.startup_delay_ms / 1000,
-        on_service_exit=shut_down,
+        lifecycle=lifecycle,
         auth=_admin_auth(settings),
         keepalive_timeout_s=(settings.keepalive_timeout_ms or 0) / 1000 or None,
         on_keepalive_expired=shut_down,
         connection_limits=http_protocol.limits,
-        on_retired=lambda lost: retirement.write(settings.replica_file, lost.owner),
     )
     server = _Server(_uvicorn_config(settings, app, http_protocol, listen_host, listen_port))
     tune_for_streaming()
@@ -211,7 +268,7 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     if failure is None:
         return 0
     if isinstance(failure, OwnershipLostError):
-        final_line(f"{retired_reason(failure)}: this node stopped as asked")
+        final_line(f"retired (the change log is owned by {failure.owner}): stopped as asked")
         return 0
     if isinstance(failure, AutoResetSignal) and settings.auto_reset and prepared is not None:
         return _AUTO_RESET
@@ -219,40 +276,20 @@ def _serve_once(settings: Settings, db: ChangeDb, *, host: str | None, port: int
     return 1
 
 
-async def _still_retired(settings: Settings, db: ChangeDb) -> str | None:
-    """``/ready``'s reason when this node retired before (app/runtime/retirement.py)
-    and the change log's owner is alive; None otherwise (a stale note is removed)."""
-    noted = await asyncio.to_thread(retirement.read, settings.replica_file)
-    if noted is None:
-        return None
-    try:
-        state = await Replication(db).state()
-    finally:
-        await db.dispose()  # the server runs its own event loop and pools
-    alive = (
-        state is not None
-        and bool(state.owner_address)
-        and state.owner != settings.task_id
-        and await retirement.owner_alive(state.owner_address or "")
+def _serve_retired(
+    settings: Settings, db: ChangeDb, lifecycle: NodeLifecycle, *, host: str, port: int
+) -> int:
+    """The server without a service: probes answer (``/ready`` 503, retired) until the
+    process is stopped."""
+    log.warning(
+        "retired: the change log is owned by %s (%s), which took it over from this node; "
+        "this node serves nothing and waits to be stopped",
+        lifecycle.owner,
+        lifecycle.owner_address,
     )
-    if alive:
-        assert state is not None
-        return (
-            f"retired: the change log is owned by {state.owner} "
-            f"({state.owner_address}), which took it over from this node"
-        )
-    log.info("this node retired before, but the change log's owner is gone: starting anew")
-    await asyncio.to_thread(retirement.clear, settings.replica_file)
-    return None
-
-
-def _serve_retired(settings: Settings, db: ChangeDb, reason: str, *, host: str, port: int) -> int:
-    """The server without a service: probes answer (``/ready`` 503 with ``reason``)
-    until the process is stopped."""
-    log.warning("%s; this node serves nothing and waits to be stopped", reason)
     http_protocol = _http_protocol(settings)
     app = create_app(
-        db, auth=_admin_auth(settings), connection_limits=http_protocol.limits, retired=reason
+        db, auth=_admin_auth(settings), connection_limits=http_protocol.limits, lifecycle=lifecycle
     )
     _Server(_uvicorn_config(settings, app, http_protocol, host, port)).run()
     return 0

@@ -57,16 +57,19 @@ class Replicator:
         *,
         mode: WriterMode = "serving",
         on_commit: Callable[[CommitResult], None] | None = None,
+        checkpoints: bool = True,
     ) -> None:
+        """``checkpoints=False``: litestream backs the file up and owns its checkpoints."""
         self._path = replica_file
         self._mode: WriterMode = mode
+        self._checkpoints = checkpoints
         self._on_commit = on_commit
         self._writer: ReplicaWriter | None = None
         self.commits = 0
 
     async def open(self) -> None:
         if self._writer is None:
-            self._writer = ReplicaWriter(self._path, mode=self._mode)
+            self._writer = ReplicaWriter(self._path, mode=self._mode, checkpoints=self._checkpoints)
 
     async def close(self) -> None:
         """Rolls back an open transaction and closes the file (idempotent)."""

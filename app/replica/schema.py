@@ -164,10 +164,19 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def open_replica(path: str | Path, *, create: bool = False) -> sqlite3.Connection:
+def open_replica(
+    path: str | Path, *, create: bool = False, checkpoints: bool = True
+) -> sqlite3.Connection:
     """A connection to a replica file (see the module docstring for its settings).
 
     Without ``create`` a missing file is an error instead of a new empty database.
+    ``checkpoints=False``: the connection never checkpoints the WAL (no
+    ``wal_autocheckpoint``), because litestream backs the file up and owns its
+    checkpoints (zero-cache sets the same on its backed-up replica). A checkpoint of
+    ours that completes between two of litestream's syncs lets the next write restart
+    the WAL over frames litestream has not read; litestream v0.5 then uploads a
+    transaction without their pages, and a restore to it is a torn image ("row N
+    missing from index").
     """
     target = Path(path)
     if not create and not target.exists():
@@ -177,6 +186,8 @@ def open_replica(path: str | Path, *, create: bool = False) -> sqlite3.Connectio
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
+        if not checkpoints:
+            conn.execute("PRAGMA wal_autocheckpoint = 0")
     except sqlite3.DatabaseError as e:
         raise ReplicaError(f"cannot open replica file {str(target)!r}: {e}") from e
     return conn

@@ -100,12 +100,17 @@ class _Transaction:
 class ReplicaWriter:
     """Applies transactions to one replica file; see the module docstring."""
 
-    def __init__(self, path: str | Path, *, mode: WriterMode = "serving") -> None:
+    def __init__(
+        self, path: str | Path, *, mode: WriterMode = "serving", checkpoints: bool = True
+    ) -> None:
+        """``checkpoints=False``: litestream backs the file up and does all its
+        checkpoints (``schema.open_replica``)."""
         if mode not in ("serving", "backup"):
             raise ValueError(f"mode must be 'serving' or 'backup', got {mode!r}")
         self._mode = mode
         self._path = path
-        self._conn = open_replica(path)
+        self._checkpoints = checkpoints
+        self._conn = open_replica(path, checkpoints=checkpoints)
         self._large_bound = False  # see LARGE_VALUE_CHARS
         try:
             check_schema_version(self._conn)
@@ -292,7 +297,7 @@ class ReplicaWriter:
             return
         self._large_bound = False
         self._conn.close()
-        self._conn = open_replica(self._path)
+        self._conn = open_replica(self._path, checkpoints=self._checkpoints)
         self._change_log = ChangeLog(self._conn)
 
     def close(self) -> None:

@@ -177,14 +177,16 @@ def _read_notifications(
     loop.add_reader(fd, readable)
 
 
-async def run(replica: Path, target: str, shard: Shard, *, poll_s: float = POLL_S) -> None:
+async def run(
+    replica: Path, target: str, shard: Shard, *, poll_s: float = POLL_S, checkpoints: bool = True
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     reader = open_log_reader(target, shard)
     try:
-        async with Replicator(replica, mode="backup") as replicator:
+        async with Replicator(replica, mode="backup", checkpoints=checkpoints) as replicator:
             follower = LogFollower(reader, replicator, poll_s=poll_s)
             _read_notifications(loop, sys.stdin.fileno(), follower, stop)
             await follower.run(stop)
@@ -199,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-num", required=True, type=int)
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--poll-seconds", type=float, default=POLL_S)
+    # litestream backs the replica up: it does every checkpoint (schema.open_replica).
+    parser.add_argument("--no-checkpoints", action="store_true")
     args = parser.parse_args(argv)
     # JSON whatever ZERO_LOG_FORMAT says: the parent reads these lines
     # (replica_follower.parse_line) and logs them again in its own format.
@@ -209,7 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(
-            run(args.replica, target, Shard(args.app_id, args.shard_num), poll_s=args.poll_seconds)
+            run(
+                args.replica,
+                target,
+                Shard(args.app_id, args.shard_num),
+                poll_s=args.poll_seconds,
+                checkpoints=not args.no_checkpoints,
+            )
         )
     except ResyncRequiredError as e:
         log.error("the replica must be re-synced: %s", e)

@@ -35,6 +35,10 @@ RESTART_MAX_S: Final = 30.0
 # Unread notification bytes past which we stop writing more (the child is behind).
 MAX_BUFFERED: Final = 4096
 NOTIFY_INTERVAL_S: Final = 0.02
+# A child that ran this long after failures is well again (/ready, restart backoff).
+STABLE_AFTER_S: Final = 10.0
+# Failures in a row after which /ready says the follower crash-loops.
+CRASH_LOOP_AFTER: Final = 3
 
 
 class ReplicaFollower:
@@ -48,7 +52,13 @@ class ReplicaFollower:
         *,
         log_level: str = "warning",
         poll_s: float = POLL_S,
+        lock_fd: int | None = None,
+        litestream: bool = False,
     ) -> None:
+        """``lock_fd``: the replica's lock, which the child holds too while it runs
+        (app/runtime/replica_lock.py); ``litestream``: litestream backs the replica up,
+        so the child never checkpoints it (``app.replica.schema.open_replica``)."""
+        self._litestream = litestream
         self.replica_file = replica_file
         self._poll_s = poll_s
         self._newest = ""  # the newest durable watermark not yet written to the child
@@ -66,15 +76,21 @@ class ReplicaFollower:
                 parse_line=parse_line,
                 restart_initial_s=RESTART_INITIAL_S,
                 restart_max_s=RESTART_MAX_S,
-                stable_after_s=30.0,
+                stable_after_s=STABLE_AFTER_S,
                 stop_timeout_s=10.0,
                 final_exit_codes=frozenset({EXIT_RESYNC}),
+                pass_fds=() if lock_fd is None else (lock_fd,),
             )
         )
 
     @property
     def state(self) -> ChildState:
         return self._child.state
+
+    def problem(self) -> str | None:
+        """``/ready``'s reason while the follower crash-loops: the replica (and with it
+        the backup) no longer follows the change log."""
+        return self._child.problem(crash_loop_after=CRASH_LOOP_AFTER)
 
     def notify(self, watermark: str) -> None:
         """A commit is durable in the change log (called on the event loop; never waits)."""
@@ -114,6 +130,7 @@ class ReplicaFollower:
             self._log_level,
             "--poll-seconds",
             str(self._poll_s),
+            *(["--no-checkpoints"] if self._litestream else []),
         ]
 
     def _env(self) -> dict[str, str]:

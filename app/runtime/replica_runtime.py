@@ -38,12 +38,27 @@ class ReplicaRuntime:
     replica_file: Path
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
-    def start_backup(self, change_db_url: str, shard: Shard, *, log_level: str = "warning") -> None:
+    def start_backup(
+        self,
+        change_db_url: str,
+        shard: Shard,
+        *,
+        log_level: str = "warning",
+        lock_fd: int | None = None,
+        litestream: bool = False,
+    ) -> ReplicaFollower:
         """Keeps the replica file current from the change log in a child process, from
         now on: before this node owns the log it follows the owner's writes (a node
         about to take over brings its restored replica, and so its backup, forward
         first); it stops with the service."""
-        follower = ReplicaFollower(self.replica_file, change_db_url, shard, log_level=log_level)
+        follower = ReplicaFollower(
+            self.replica_file,
+            change_db_url,
+            shard,
+            log_level=log_level,
+            lock_fd=lock_fd,
+            litestream=litestream,
+        )
         service = self.service
         service.durable_listeners.append(follower.notify)
 
@@ -64,6 +79,7 @@ class ReplicaRuntime:
         task = asyncio.create_task(follow(), name="replica-follower")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return follower
 
     async def wait_closed(self) -> None:
         """Returns once what ``start_backup`` started has stopped (after the service)."""
@@ -79,10 +95,14 @@ async def service_over_replica(
     *,
     address: str,
     restore_s: float = 0.0,
+    backup_path: str | None = None,
+    task: str | None = None,
 ) -> ChangeStreamerService:
     """The service over ``source``, its change DB tied to ``replica`` first (kept, or
     reset when it belongs to another replica: ``ensureReplicationConfig``).
-    ``restore_s``: how long restoring ``replica`` from the backup took, until now."""
+    ``restore_s``: how long restoring ``replica`` from the backup took, until now;
+    ``backup_path``: where this node backs up, under the backup URL; ``task``: this
+    node's task ID (default: the settings', else a random one)."""
     replication = Replication(db)
     await replication.ensure_config(
         SubscriptionState(
@@ -92,7 +112,7 @@ async def service_over_replica(
     )
     durable = await replication.state()
     assert durable is not None
-    task = task_id(settings)
+    task = task or task_id(settings)
     return ChangeStreamerService(
         db=db,
         source=source,
@@ -100,6 +120,8 @@ async def service_over_replica(
         address=address,
         replica_version=replica.replica_version,
         durable_watermark=durable.last_watermark,
-        options=dataclasses.replace(streamer_options(settings), restore_s=restore_s),
+        options=dataclasses.replace(
+            streamer_options(settings, backup_path=backup_path), restore_s=restore_s
+        ),
         taking_over=durable.owner not in (None, "", task),
     )
