@@ -35,13 +35,16 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import Final
 
+from app.backoff import Backoff
 from app.backup.process import check_version
 from app.backup.restore import RestoreError, restore_replica
 from app.client import (
     ChangeStreamerClient,
     ClientError,
     DiscoveryError,
+    NoChangeStreamerError,
     ProtocolError,
     SnapshotFollowup,
     UnauthorizedError,
@@ -54,10 +57,15 @@ from app.replica.runner import run_replicator
 from app.runtime.backups import BackupConfigError, litestream_options
 from app.storage.errors import ChangeDbConfigError
 from app.storage.shard import Shard
+from app.timeouts import within
 
 __all__ = ["run_replicate"]
 
 log = logging.getLogger(__name__)
+
+# --discover waits this long between looks while no change-streamer owns the log.
+DISCOVER_RETRY_S: Final = 0.5
+DISCOVER_RETRY_MAX_S: Final = 5.0
 
 
 class _Stop(Exception):
@@ -121,16 +129,16 @@ async def _replicate(
     subscribe = None
     if args.discover:
         # The owner now, for a restore; every session then looks it up again.
-        from app.client.discovery import discover, discovering
+        from app.client.discovery import discovering
 
         try:
             shard = Shard(args.app_id, args.shard_num)
         except ChangeDbConfigError as e:
             raise _Stop(str(e), 2) from None
-        try:
-            url = await discover(args.discover, shard)
-        except DiscoveryError as e:
-            raise _Stop(f"--discover: {e}", 1) from None
+        found = await _owner_when_there_is_one(args.discover, shard, stop)
+        if found is None:  # stopped while waiting
+            return stopped_by[0]
+        url = found
         subscribe = discovering(args.discover, shard, client_for)
     client = client_for(url)
     reservation: SnapshotFollowup | None = None
@@ -169,6 +177,29 @@ async def _replicate(
     )
     log.info("stopped after %d transactions", commits)
     return stopped_by[0] if stopped_by else None
+
+
+async def _owner_when_there_is_one(change_db: str, shard: Shard, stop: asyncio.Event) -> str | None:
+    """The change log's owner, waiting (with backoff) while none is recorded yet, as
+    zero's view-syncers do: a node starting with the default delay takes the log over
+    15 s after it is ready. None if stopped first; other discovery errors stop."""
+    from app.client.discovery import discover
+
+    retry = Backoff(DISCOVER_RETRY_S, DISCOVER_RETRY_MAX_S)
+    waiting = False
+    while True:
+        try:
+            return await discover(change_db, shard)
+        except NoChangeStreamerError:
+            if not waiting:
+                log.info("--discover: no change-streamer owns the change log yet; waiting")
+                waiting = True
+        except DiscoveryError as e:
+            raise _Stop(f"--discover: {e}", 1) from None
+        with contextlib.suppress(TimeoutError):
+            await within(stop.wait(), retry.next_delay())
+        if stop.is_set():
+            return None
 
 
 async def _restore(
