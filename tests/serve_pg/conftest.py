@@ -23,6 +23,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -74,6 +75,7 @@ class Serve:
             **env,
         }
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
         self.runs = 0
         self._log: IO[bytes] | None = None
 
@@ -98,6 +100,7 @@ class Serve:
         self.runs += 1
         base = {k: v for k, v in os.environ.items() if not k.startswith(_SETTING_PREFIXES)}
         self._log = self.log_file.open("wb")
+        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
             [str(SERVE), "serve", "--host", "127.0.0.1", "--port", str(self.port)],
             cwd=self.workdir,
@@ -105,6 +108,10 @@ class Serve:
             stdout=self._log,
             stderr=self._log,
         )
+
+    def seconds_running(self) -> float:
+        """Since the current (or last) run started."""
+        return time.monotonic() - self.started_at
 
     def output(self, run: int | None = None) -> str:
         """What run ``run`` (1-based; default the current or last) wrote to stdout and stderr."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 
 from app.client import ChangeStreamerClient
 from tests.serve_pg.conftest import (
+    APP_ID,
     SERVE,
     Serve,
     ServeFactory,
@@ -144,7 +146,8 @@ async def test_a_reserved_restore_catches_up_with_no_gap_while_writes_continue(
         status, followup = await client.reserve_snapshot(TASK)
         replica_version, _ = replica_versions(serve.replica_file)
         assert status.replica_version == replica_version
-        assert status.backup_url == f"file://{backup}"
+        # This node's own destination under the backup URL (app/backup/destinations.py).
+        assert re.fullmatch(rf"file://{backup}/\d{{13}}-rm-1-[0-9a-f]{{6}}", status.backup_url)
         assert status.body["replicaSize"] > 0  # the replica's bytes, when reserved
         reserved = status.min_watermark
 
@@ -275,6 +278,79 @@ def metric(serve: Serve, name: str) -> float:
     raise AssertionError(f"no sample of {name}")
 
 
+def litestreams_of(replica: Path) -> list[int]:
+    """The live litestream processes backing ``replica`` up (by their configuration's
+    path beside it), anywhere on the machine."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        config = str(replica.parent / f".{replica.name}.litestream.yml").encode()
+        if not zombie and argv and argv[0].endswith(b"litestream") and config in argv:
+            found.append(int(entry))
+    return found
+
+
+async def test_serve_killed_by_sigkill_takes_its_children_along_and_one_restart_runs_alone(
+    upstream: str, serve_factory: ServeFactory, tmp_path: Path
+) -> None:
+    from tests.serve_pg.test_handoff import descendants, process_alive
+
+    await create_workload_schema(upstream)
+    serve = serve_factory(upstream, **backup_env(f"file://{tmp_path / 'backup'}"))
+    serve.start()
+    await serve.wait_ready()
+    writer = Writer(upstream, big_at=10_000)
+    writer.start()
+    try:
+        await writer.wait_stored(serve.change_db_file, 10)
+        children = descendants(serve)
+        names = {name for _pid, name in children}
+        assert "litestream" in names, children  # and the follower, the probe, the writer
+        assert len(litestreams_of(serve.replica_file)) == 1
+        serve.kill()  # SIGKILL, while litestream uploads every 0.3 s
+
+        def all_gone() -> bool:
+            return not any(process_alive(pid) for pid, _name in children)
+
+        await eventually(all_gone, f"the children of the killed serve to end: {children}", 10)
+        assert litestreams_of(serve.replica_file) == []
+
+        # A second serve on the same replica is refused while the first runs again.
+        serve.start()
+        await serve.wait_ready()
+        assert len(litestreams_of(serve.replica_file)) == 1
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_", "CHANGE"))}
+        twin = await asyncio.to_thread(
+            subprocess.run,
+            [str(SERVE), "serve", "--host", "127.0.0.1", "--port", str(free_port())],
+            cwd=serve.workdir,
+            env={**base, **serve.env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert twin.returncode == 1, twin.stderr
+        refusal = twin.stderr.strip().splitlines()[-1]
+        in_use = r"the replica \S+replica\.db is in use by another process: pid \d+"
+        assert re.search(in_use, refusal), refusal
+        assert len(litestreams_of(serve.replica_file)) == 1
+        written = len(writer.committed)
+        await eventually(lambda: len(writer.committed) >= written + 20, "more writes")
+    finally:
+        await writer.finish()
+    await wait_until_replica_matches(upstream, serve.replica_file)
+    await serve.terminate()
+    assert litestreams_of(serve.replica_file) == []
+
+
 async def test_litestream_killed_or_its_destination_broken_mid_run_is_told_and_recovered(
     upstream: str, serve_factory: ServeFactory, tmp_path: Path
 ) -> None:
@@ -311,7 +387,7 @@ async def test_litestream_killed_or_its_destination_broken_mid_run_is_told_and_r
 
         async def wedged() -> bool:
             code, body = ready_status(serve)
-            return code == 503 and body.get("reason", "").startswith("backup wedged")
+            return code == 503 and body.get("reason", "").startswith("owner: backup wedged")
 
         await eventually(wedged, "/ready to report the wedged backup", 60)
         assert metric(serve, "changestreamer_backup_wedged") == 1
@@ -410,18 +486,21 @@ async def test_serve_backs_up_to_an_s3_api_and_restore_reads_it_back(
             lambda: (statz(serve)["backup"]["backupWatermark"] or "") >= at,
             "the S3 backup to reach the replica",
         )
+        # The node backs up into a sub-path of its own; `restore` finds it where the
+        # node recorded it upstream when it took the slot over.
+        destination = statz(serve)["backup"]["backupURL"]
+        assert destination.startswith("s3://zero/backups/replica/")
         restored = tmp_path / "from-s3.db"
-        env = {**s3_env, **creds}
+        env = {
+            **s3_env,
+            **creds,
+            "ZERO_UPSTREAM_DB": upstream,
+            "ZERO_APP_ID": APP_ID,
+            "ZERO_LITESTREAM_BACKUP_URL": "s3://zero/backups/replica",
+        }
         done = await asyncio.to_thread(
             subprocess.run,
-            [
-                str(SERVE),
-                "restore",
-                "--backup-url",
-                "s3://zero/backups/replica",
-                "--replica",
-                str(restored),
-            ],
+            [str(SERVE), "restore", "--replica", str(restored)],
             cwd=tmp_path,
             env={**{k: v for k, v in os.environ.items() if not k.startswith("ZERO_")}, **env},
             capture_output=True,

@@ -14,12 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
+import sqlite3
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
 
 from app.client import ChangeStreamerClient, ResumingSubscription, SubscriptionContext
 from app.client.discovery import discovering
@@ -35,15 +39,17 @@ from tests.serve_pg.conftest import (
     Writer,
     create_workload_schema,
     eventually,
+    free_port,
     pg_rows,
     replica_versions,
     wait_until_replica_matches,
 )
-from tests.serve_pg.test_backups import backup_env, cli, ready_status
+from tests.serve_pg.test_backups import backup_env, cli, ready_status, statz
 from tests.serve_pg.test_postgres_restart import accepting, restart_cluster
 from tests.waiting import stays
 
 _SETTINGS = ("ZERO_", "CHANGESTREAMER_")
+LITESTREAM = SERVE.parent / "litestream"
 
 
 @pytest.fixture
@@ -55,8 +61,26 @@ async def change_db(pg_url: str) -> AsyncIterator[str]:
 
 
 def node(
-    serve_factory: ServeFactory, upstream: str, change_db: str, backup: str, task: str
+    serve_factory: ServeFactory,
+    upstream: str,
+    change_db: str,
+    backup: str,
+    task: str,
+    *,
+    zero_defaults: bool = False,
 ) -> Serve:
+    """A node over the shared change DB, backing up under ``backup``: with the tests'
+    sub-second intervals and no start-up delay, or (``zero_defaults``) with every
+    interval at zero-cache's default, as an operator runs it."""
+    if zero_defaults:
+        env = {
+            "ZERO_LITESTREAM_BACKUP_URL": backup,
+            "ZERO_LITESTREAM_PORT": str(free_port()),
+            # Empty is unset: the defaults (a 15 s start-up delay, the 30 s cleanup delay).
+            "ZERO_CHANGE_STREAMER_STARTUP_DELAY_MS": "",
+            "CHANGESTREAMER_PURGE_DELAY_SECONDS": "",
+        }
+        return serve_factory(upstream, ZERO_TASK_ID=task, ZERO_CHANGE_DB=change_db, **env)
     return serve_factory(
         upstream,
         **backup_env(
@@ -67,6 +91,124 @@ def node(
             CHANGESTREAMER_PURGE_DELAY_SECONDS="60",
         ),
     )
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting to be reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def descendants(serve: Serve) -> list[tuple[int, str]]:
+    """The live processes below ``serve``'s (its children and theirs)."""
+    assert serve.proc is not None
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        fields = rest.split()
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+            names[int(entry)] = head.split("(", 1)[1]
+    found: list[tuple[int, str]] = []
+    frontier = {serve.proc.pid}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier}
+        found += [(pid, names[pid]) for pid in sorted(frontier)]
+    return found
+
+
+def integrity(replica: Path) -> str:
+    """SQLite's verdict on the file, read-only ("ok" when whole)."""
+    with sqlite3.connect(f"file:{replica}?mode=ro", uri=True) as conn:
+        return str(conn.execute("PRAGMA integrity_check(1)").fetchone()[0])
+
+
+_DESTINATION = re.compile(r"\d{13}-(.+)-[0-9a-f]{6}")
+
+
+def destinations(backup_dir: Path) -> list[str]:
+    """The tasks with a destination under the backup URL (app/backup/destinations.py)."""
+    found = [_DESTINATION.fullmatch(p.name) for p in backup_dir.iterdir()]
+    return [m.group(1) for m in found if m is not None]
+
+
+def destination_state(backup_dir: Path, task: str) -> tuple[list[int], int]:
+    """The transaction IDs of ``task``'s destination (level 0, where each upload goes)
+    and the newest modification time of anything in it."""
+    (path,) = [
+        p for p in backup_dir.iterdir() if (m := _DESTINATION.fullmatch(p.name)) and m[1] == task
+    ]
+    files = [f for f in path.rglob("*") if f.is_file()]
+    level0 = path / "ltx" / "0"
+    txids = sorted(int(f.name.split("-")[0], 16) for f in level0.glob("*.ltx"))
+    return txids, max(f.stat().st_mtime_ns for f in files)
+
+
+def torn_uploads(backup_dir: Path) -> list[str]:
+    """Each transaction of each destination restored on its own (``litestream restore
+    -txid``) and checked with ``PRAGMA integrity_check``: the ones that are torn."""
+    torn = []
+    scratch = backup_dir.parent / "txid-check"
+    scratch.mkdir(exist_ok=True)
+    for destination in sorted(p for p in backup_dir.iterdir() if p.is_dir()):
+        for ltx in sorted((destination / "ltx" / "0").glob("*.ltx")):
+            txid = ltx.name.split("-")[0]
+            out = scratch / f"{destination.name}-{txid}.db"
+            done = subprocess.run(
+                [
+                    str(LITESTREAM),
+                    "restore",
+                    "-txid",
+                    txid,
+                    "-o",
+                    str(out),
+                    f"file://{destination}",
+                ],
+                capture_output=True,
+                timeout=60,
+            )
+            if done.returncode != 0:  # gone since the listing (retention): not a torn one
+                continue
+            verdict = integrity(out)
+            if verdict != "ok":
+                torn.append(f"{destination.name} {txid}: {verdict}")
+    return torn
+
+
+async def refused_upgrade(serve: Serve, replica_version: str) -> None:
+    """A serving subscriber at the wrong replica version: the stream says so and ends."""
+    query = f"id=stranger&replicaVersion={replica_version}&watermark={replica_version}"
+    url = f"ws://127.0.0.1:{serve.port}/replication/v6/changes?{query}"
+    async with ws_connect(url, open_timeout=10) as ws:
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                message = await asyncio.wait_for(ws.recv(), 10)
+                if "WrongReplicaVersion" in str(message):
+                    break
+
+
+@contextlib.asynccontextmanager
+async def serving_subscriber(serve: Serve, replica_version: str) -> AsyncIterator[None]:
+    """An accepted serving subscriber of ``serve`` for as long as the block runs."""
+    client = ChangeStreamerClient(f"ws://127.0.0.1:{serve.port}")
+    ctx = SubscriptionContext(
+        id="router-probe", replica_version=replica_version, watermark=replica_version
+    )
+    subscription = await client.subscribe(ctx)
+    try:
+        yield
+    finally:
+        await subscription.close()
 
 
 async def owner(change_db: str) -> str | None:
@@ -120,11 +262,16 @@ class Follower:
 
 
 async def serving_with_a_follower(
-    serve_factory: ServeFactory, upstream: str, change_db: str, backup: str
+    serve_factory: ServeFactory,
+    upstream: str,
+    change_db: str,
+    backup: str,
+    *,
+    zero_defaults: bool = False,
 ) -> tuple[Serve, Follower]:
     """Node A ready over the workload's schema, and our subscriber in discover mode."""
     await create_workload_schema(upstream)
-    a = node(serve_factory, upstream, change_db, backup, "rm-a")
+    a = node(serve_factory, upstream, change_db, backup, "rm-a", zero_defaults=zero_defaults)
     a.start()
     await a.wait_ready()
     follower = Follower(change_db, replica_versions(a.replica_file)[0])
@@ -137,38 +284,62 @@ def _relation(message: Data) -> str | None:
     return relation.get("name") if isinstance(relation, dict) else None
 
 
-async def takes_over(new: Serve, old: Serve, change_db: str, task: str, old_task: str) -> None:
-    """``new`` restores, owns the log after the gate; ``old`` retires and stays up."""
+async def takes_over(
+    new: Serve, old: Serve, change_db: str, task: str, old_task: str, *, within_s: float = 90
+) -> None:
+    """``new`` restores, owns the log after the gate (``within_s`` of its start); ``old``
+    retires, stays up, and ends its litestream."""
+    old_litestream = statz(old)["backup"]["monitor"]["litestream"]["pid"]
+    assert old_litestream is not None
     await new.wait_output(r"restored .*replica\.db \(\d+ bytes, replica version")
 
     async def owned() -> bool:
         return await owner(change_db) == task
 
-    await eventually(owned, f"{task} to own the change log", 90)
+    await eventually(owned, f"{task} to own the change log", within_s - new.seconds_running())
     await new.wait_ready(timeout_s=90)
     await old.wait_output(rf"changeLog ownership has been assumed by {task}; this node serves")
 
     async def retired() -> bool:
         code, body = await asyncio.to_thread(ready_status, old)
-        return code == 503 and body.get("reason") == f"retired: the change log is owned by {task}"
+        return code == 503 and body.get("reason") == "retired: another node owns the change log"
 
     await eventually(retired, f"{old_task} to say it retired", 30)
     assert old.alive()  # retired, not exited: an orchestrator would restart an exit
     assert retirement.read(old.replica_file) == task
+    # It ended its litestream and its replica follower before it said so.
+    assert not process_alive(old_litestream)
+    node_stats = statz(old)
+    assert node_stats["node"]["state"] == "retired"
+    assert node_stats["node"]["owner"] == task
+    assert descendants(old) == []
 
 
-async def test_a_node_hands_the_change_log_to_its_replacement_twice_losing_nothing(
+async def test_a_rolling_update_at_zero_s_default_intervals_loses_nothing_and_takes_a_minute(
     upstream: str, change_db: str, serve_factory: ServeFactory, tmp_path: Path
 ) -> None:
-    backup = f"file://{tmp_path / 'backup'}"
-    a, follower = await serving_with_a_follower(serve_factory, upstream, change_db, backup)
+    # Every interval at zero-cache's default: a backup upload every 15 minutes, a VFS
+    # probe every 30 s, a 15 s start-up delay, the 30 s cleanup delay. A → B → C, a
+    # restarted A staying retired between; each new node owns the log within a
+    # minute of its start, each destination is written by one node, nothing is lost.
+    backup_dir = tmp_path / "backup"
+    backup = f"file://{backup_dir}"
+    a, follower = await serving_with_a_follower(
+        serve_factory, upstream, change_db, backup, zero_defaults=True
+    )
     version = follower.replica_version
-    # A standalone replica of ours, restored from the backup, follows the change log
-    # from node to node too (`changestreamer replicate --discover`).
+    # A standalone replica of ours, restored from A's backup (its destination is A's
+    # own, under the backup URL), follows the change log from node to node too.
     standalone = tmp_path / "standalone" / "replica.db"
     standalone.parent.mkdir()
     restored = await asyncio.to_thread(
-        cli, "restore", "--backup-url", backup, "--replica", str(standalone), cwd=tmp_path
+        cli,
+        "restore",
+        "--backup-url",
+        statz(a)["backup"]["backupURL"],
+        "--replica",
+        str(standalone),
+        cwd=tmp_path,
     )
     assert restored.returncode == 0, restored.stderr
     replicate_log = (tmp_path / "replicate.log").open("wb")
@@ -188,10 +359,12 @@ async def test_a_node_hands_the_change_log_to_its_replacement_twice_losing_nothi
     try:
         await follower.wait_for(set(range(1, 21)))
 
-        # 1. B replaces A.
-        b = node(serve_factory, upstream, change_db, backup, "rm-b")
+        # 1. B replaces A after its start-up delay (no subscriber comes to B first).
+        b = node(serve_factory, upstream, change_db, backup, "rm-b", zero_defaults=True)
         b.start()
-        await takes_over(b, a, change_db, "rm-b", "rm-a")
+        await takes_over(b, a, change_db, "rm-b", "rm-a", within_s=60)
+        assert statz(b)["node"]["takeoverCause"] == "the start-up delay"
+        a_done = destination_state(backup_dir, "rm-a")
         await follower.wait_for(set(writer.committed) | {max(writer.committed) + 10})
 
         # 2. A restarts (its container crashed): B is alive, so A stays retired.
@@ -201,8 +374,7 @@ async def test_a_node_hands_the_change_log_to_its_replacement_twice_losing_nothi
 
         async def still_retired() -> bool:
             code, body = await asyncio.to_thread(ready_status, a)
-            reason = str(body.get("reason", ""))
-            return code == 503 and reason.startswith("retired: the change log is owned by rm-b")
+            return code == 503 and body.get("reason") == "retired: another node owns the change log"
 
         await eventually(still_retired, "the restarted A to say it is retired", 30)
 
@@ -211,10 +383,19 @@ async def test_a_node_hands_the_change_log_to_its_replacement_twice_losing_nothi
 
         await stays(still_b, 3.0, "rm-b's ownership while the restarted A runs")
 
-        # 3. C replaces B: the second step of a rolling restart.
-        c = node(serve_factory, upstream, change_db, backup, "rm-c")
+        # 3. C replaces B. During its start-up delay an upgrade at the wrong replica
+        #    version changes nothing; an accepted serving subscriber ends the delay.
+        c = node(serve_factory, upstream, change_db, backup, "rm-c", zero_defaults=True)
         c.start()
-        await takes_over(c, b, change_db, "rm-c", "rm-b")
+        await c.wait_ready(timeout_s=60)  # ready: the gate is open, the delay runs
+        assert statz(c)["node"]["state"] == "delayed"
+        await refused_upgrade(c, "00")
+        await stays(still_b, 2.0, "rm-b's ownership after a wrong-version upgrade to C")
+        assert statz(c)["node"]["state"] == "delayed"
+        async with serving_subscriber(c, version):
+            await takes_over(c, b, change_db, "rm-c", "rm-b", within_s=60)
+        assert statz(c)["node"]["takeoverCause"] == "a serving subscriber"
+        b_done = destination_state(backup_dir, "rm-b")
         await follower.wait_for(set(writer.committed) | {max(writer.committed) + 10})
     finally:
         await writer.finish()
@@ -233,8 +414,18 @@ async def test_a_node_hands_the_change_log_to_its_replacement_twice_losing_nothi
         replicate.terminate()
         replicate.wait(30)
         replicate_log.close()
-    assert replica_versions(c.replica_file)[0] == version  # restored, not re-synced
-    assert "initial sync of" not in b.output() + c.output()
+    for s in (b, c):  # restored, not re-synced, and whole
+        assert replica_versions(s.replica_file)[0] == version
+        assert "initial sync of" not in s.output()
+        assert integrity(s.replica_file) == "ok"
+    # One destination per node, each written by its node alone: nothing reached A's
+    # or B's after they retired, and each holds one chain of transactions from 1.
+    assert sorted(destinations(backup_dir)) == ["rm-a", "rm-b", "rm-c"]
+    assert destination_state(backup_dir, "rm-a") == a_done
+    assert destination_state(backup_dir, "rm-b") == b_done
+    for task in ("rm-a", "rm-b", "rm-c"):
+        txids = destination_state(backup_dir, task)[0]
+        assert txids == list(range(1, len(txids) + 1)), (task, txids)
     # Retired nodes stop cleanly when asked; so does the owner.
     for s in (a, b, c):
         await s.terminate()
@@ -275,7 +466,7 @@ async def test_a_node_whose_backup_cannot_be_written_never_takes_over(
                 code, body = await asyncio.to_thread(ready_status, b)
                 reason = str(body.get("reason", ""))
                 return code == 503 and reason.startswith(
-                    "waiting for a backup that covers the replica at"
+                    "gated: waiting for a backup that covers the replica at"
                 )
 
             await eventually(gated, "B to wait for its backup", 60)
@@ -343,5 +534,8 @@ async def test_a_handoff_interrupted_by_a_crash_or_a_postgres_restart_loses_noth
     assert await owner(change_db) == "rm-b"
     if a.alive():  # retired, not owning
         code, body = await asyncio.to_thread(ready_status, a)
-        assert (code, body.get("reason")) == (503, "retired: the change log is owned by rm-b")
+        assert (code, body.get("reason")) == (503, "retired: another node owns the change log")
     await b.terminate()
+    # Every upload of every node restores whole: none is a torn image of its replica
+    # (the follower leaves the checkpoints to litestream).
+    assert await asyncio.to_thread(torn_uploads, tmp_path / "backup") == []
