@@ -214,7 +214,8 @@ async def create_replication_slot(
                 log.warning("reached max_replication_slots; deleting replicas of inactive slots")
                 await conn.execute(
                     f"""DELETE FROM {_replicas(cfg)} AS r USING pg_replication_slots s
-                          WHERE r.slot = s.slot_name AND NOT s.active""".encode()
+                          WHERE r.slot = s.slot_name AND s.database = current_database()
+                            AND NOT s.active""".encode()
                 )
         raise AssertionError("unreachable")
     except BaseException:
@@ -475,6 +476,10 @@ async def drop_unclaimed_slots(
 ) -> tuple[int, int, int]:
     """Drop the shard's inactive slots that no replicas row claims.
 
+    Only this database's: slot names are the cluster's, but another database's
+    slots are claimed by that database's ``replicas`` rows, which this one cannot
+    see (the same app in two databases of one cluster, or two test runs).
+
     Returns ``(dropped, active, draining)``: ``active`` slots belong to a replica,
     ``draining`` ones to none but are still in use (retry later).
     """
@@ -483,7 +488,8 @@ async def drop_unclaimed_slots(
         cur = await conn.execute(
             f"""SELECT slot_name, pg_drop_replication_slot(slot_name)
                   FROM pg_replication_slots LEFT JOIN {_replicas(cfg)} r ON slot_name = r.slot
-                  WHERE slot_name LIKE %s AND NOT active AND r.id IS NULL""".encode(),
+                  WHERE slot_name LIKE %s AND database = current_database()
+                    AND NOT active AND r.id IS NULL""".encode(),
             [_slot_like_pattern(cfg)],
         )
         dropped = [r[0] for r in await cur.fetchall()]
@@ -492,7 +498,7 @@ async def drop_unclaimed_slots(
         cur = await conn.execute(
             f"""SELECT r.id FROM pg_replication_slots
                   LEFT JOIN {_replicas(cfg)} r ON slot_name = r.slot
-                  WHERE slot_name LIKE %s""".encode(),
+                  WHERE slot_name LIKE %s AND database = current_database()""".encode(),
             [_slot_like_pattern(cfg)],
         )
         owners: Sequence[tuple[str | None]] = await cur.fetchall()

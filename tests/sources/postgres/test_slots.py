@@ -30,6 +30,7 @@ from app.sources.postgres.slots import (
 )
 from app.sources.postgres.stats import upstream_stats
 from app.stop_signals import AutoResetSignal
+from tests.pgdb import scratch_database
 from tests.waiting import eventually
 
 
@@ -140,6 +141,26 @@ async def test_unclaimed_inactive_slot_is_dropped_and_its_name_reused(
     assert slot.slot_name == orphan
     assert slot.consistent_point != orphan_lsn  # a new slot, not the orphan
     assert await drop_unclaimed_slots(conn, cfg) == (0, 1, 0)
+
+
+async def test_another_database_s_slot_of_the_same_app_is_never_dropped(
+    conn: psycopg.AsyncConnection[Any], db_url: str, pg_url: str, cfg: ShardConfig
+) -> None:
+    # Slot names are the cluster's; the same app in another database (another
+    # deployment, another test run) claims its slots in its own replicas table,
+    # which this database cannot see.
+    async with scratch_database(pg_url, f"hpb_other_{cfg.app_id}") as other_url:
+        theirs = f"{cfg.shard_schema}_z"
+        async with await psycopg.AsyncConnection.connect(other_url, autocommit=True) as other:
+            await other.execute(
+                "SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", [theirs]
+            )
+        slot = await create_replication_slot(db_url, cfg)  # drops this database's only
+        await slot.close()
+        assert await drop_unclaimed_slots(conn, cfg) == (0, 1, 0)
+        assert await rows(
+            conn, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", theirs
+        ) == [(1,)]
 
 
 async def test_slot_creation_times_out_while_a_transaction_stays_open(
