@@ -68,6 +68,8 @@ async def restore_replica(
         try:
             async with _restore_progress(target, staging):
                 found = await _restore_once(options, staging, timeout_s)
+            if found:  # a live destination moves on: a torn restore is worth another try
+                await asyncio.to_thread(_check_whole, staging, options.backup_url)
         except RestoreError as e:
             if attempt == attempts:
                 raise
@@ -82,22 +84,9 @@ async def restore_replica(
             continue
         if not found:
             return None
-        try:
-            state = await asyncio.to_thread(
-                _check, staging, options.backup_url, replica_version, min_watermark
-            )
-        except _TornBackup as e:
-            if attempt == attempts:
-                raise RestoreError(str(e)) from None
-            log.warning(
-                "restore attempt %d of %d failed: %s; retrying in %.0f s",
-                attempt,
-                attempts,
-                e,
-                retry_delay_s,
-            )
-            await asyncio.sleep(retry_delay_s)
-            continue
+        state = await asyncio.to_thread(
+            _check, staging, options.backup_url, replica_version, min_watermark
+        )
         size = staging.stat().st_size
         remove_replica_files(target)
         os.replace(staging, target)
@@ -153,21 +142,23 @@ async def _restore_once(options: LitestreamOptions, staging: Path, timeout_s: fl
     return os.path.exists(staging)  # noqa: ASYNC240 - one stat, after a long child
 
 
-class _TornBackup(Exception):
-    """The restored file is not a consistent database (worth another attempt)."""
-
-
 # Problems integrity_check reports, at most (the first one is the message).
 _INTEGRITY_ROWS = 5
+
+
+def _check_whole(staging: Path, url: str) -> None:
+    """Refuses a restored file that is not a whole database (``RestoreError``)."""
+    problem = _integrity_problem(staging)
+    if problem is not None:
+        remove_replica_files(staging)
+        raise RestoreError(
+            f"the backup restored from {url} is not a consistent database: {problem}"
+        )
 
 
 def _check(
     staging: Path, url: str, replica_version: str | None, min_watermark: str | None
 ) -> ReplicaState:
-    problem = _integrity_problem(staging)
-    if problem is not None:
-        remove_replica_files(staging)
-        raise _TornBackup(f"the backup restored from {url} is not a consistent database: {problem}")
     try:
         state = read_replica_state(staging)
     except ReplicaError as e:

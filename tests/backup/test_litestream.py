@@ -281,3 +281,42 @@ async def test_restore_from_an_empty_destination_finds_no_backup(tmp_path: Path)
     )
     assert await restore_replica(options) is None
     assert not target.exists()
+
+
+def torn_copy(source: Path, out: Path) -> None:
+    """``source`` with one index page zeroed past its header, as a restore that missed
+    the frames of a page would leave it (``row N missing from index``)."""
+    import sqlite3
+
+    with sqlite3.connect(source) as conn:
+        conn.execute("CREATE INDEX items_title ON items (title)")
+        (page,) = conn.execute(
+            "SELECT rootpage FROM sqlite_master WHERE name = 'items_title'"
+        ).fetchone()
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        size = conn.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(source.read_bytes())
+    data[(page - 1) * size + 8 : page * size] = bytes(size - 8)
+    out.write_bytes(bytes(data))
+
+
+async def test_a_restore_that_is_not_a_whole_database_is_refused_and_replaces_nothing(
+    tmp_path: Path,
+) -> None:
+    # litestream cannot be made to upload a torn transaction on purpose (the follower
+    # no longer lets it), so a stand-in executable plays a restore that comes out
+    # torn: it writes a damaged copy of a replica where `-o` says.
+    torn = tmp_path / "torn.db"
+    torn_copy(new_replica(tmp_path / "source.db", rows=500), torn)
+    stand_in = tmp_path / "litestream"
+    stand_in.write_text(f'#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\ncp {torn} "$2"\n')
+    stand_in.chmod(0o755)
+    target = tmp_path / "replica.db"
+    new_replica(target, rows=3)  # the file a refused restore must leave alone
+    options = LitestreamOptions(
+        executable=stand_in, replica_file=target, backup_url=f"file://{tmp_path / 'b'}"
+    )
+    with pytest.raises(RestoreError, match="is not a consistent database: "):
+        await restore_replica(options, attempts=2, retry_delay_s=0.01)
+    assert item_count(target) == 3
+    assert not target.with_name("replica.db.restoring").exists()

@@ -315,6 +315,60 @@ async def eventually(
     return await waiting.eventually(check, what, timeout_s, poll_s=POLL_S * 2)
 
 
+# -- Processes and files -----------------------------------------------------------
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting to be reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def descendants(serve: Serve) -> list[tuple[int, str]]:
+    """The live processes below ``serve``'s (its children and theirs)."""
+    assert serve.proc is not None
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        fields = rest.split()
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+            names[int(entry)] = head.split("(", 1)[1]
+    found: list[tuple[int, str]] = []
+    frontier = {serve.proc.pid}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier}
+        found += [(pid, names[pid]) for pid in sorted(frontier)]
+    return found
+
+
+def integrity(replica: Path) -> str:
+    """SQLite's verdict on the file, read-only ("ok" when whole)."""
+    with sqlite3.connect(f"file:{replica}?mode=ro", uri=True) as conn:
+        return str(conn.execute("PRAGMA integrity_check(1)").fetchone()[0])
+
+
+@contextlib.contextmanager
+def immutable(path: Path) -> Iterator[None]:
+    """``path`` and everything in it made immutable (``chattr +i``): readable, but
+    nothing can write there, root included (ext4)."""
+    subprocess.run(["chattr", "-R", "+i", str(path)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-R", "-i", str(path)], check=True)
+
+
 # -- A workload and the row-by-row comparison ------------------------------------
 
 SCHEMA = (

@@ -28,9 +28,11 @@ from tests.serve_pg.conftest import (
     ServeFactory,
     Writer,
     create_workload_schema,
+    descendants,
     eventually,
     free_port,
     lite_rows,
+    process_alive,
     replica_versions,
     wait_until_replica_matches,
 )
@@ -301,8 +303,6 @@ def litestreams_of(replica: Path) -> list[int]:
 async def test_serve_killed_by_sigkill_takes_its_children_along_and_one_restart_runs_alone(
     upstream: str, serve_factory: ServeFactory, tmp_path: Path
 ) -> None:
-    from tests.serve_pg.test_handoff import descendants, process_alive
-
     await create_workload_schema(upstream)
     serve = serve_factory(upstream, **backup_env(f"file://{tmp_path / 'backup'}"))
     serve.start()

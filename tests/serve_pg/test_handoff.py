@@ -16,9 +16,8 @@ import contextlib
 import os
 import re
 import shutil
-import sqlite3
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -38,9 +37,13 @@ from tests.serve_pg.conftest import (
     ServeFactory,
     Writer,
     create_workload_schema,
+    descendants,
     eventually,
     free_port,
+    immutable,
+    integrity,
     pg_rows,
+    process_alive,
     replica_versions,
     wait_until_replica_matches,
 )
@@ -91,46 +94,6 @@ def node(
             CHANGESTREAMER_PURGE_DELAY_SECONDS="60",
         ),
     )
-
-
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting to be reaped does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def descendants(serve: Serve) -> list[tuple[int, str]]:
-    """The live processes below ``serve``'s (its children and theirs)."""
-    assert serve.proc is not None
-    parents: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                head, rest = f.read().rsplit(")", 1)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        fields = rest.split()
-        if fields[0] != "Z":
-            parents[int(entry)] = int(fields[1])
-            names[int(entry)] = head.split("(", 1)[1]
-    found: list[tuple[int, str]] = []
-    frontier = {serve.proc.pid}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier}
-        found += [(pid, names[pid]) for pid in sorted(frontier)]
-    return found
-
-
-def integrity(replica: Path) -> str:
-    """SQLite's verdict on the file, read-only ("ok" when whole)."""
-    with sqlite3.connect(f"file:{replica}?mode=ro", uri=True) as conn:
-        return str(conn.execute("PRAGMA integrity_check(1)").fetchone()[0])
 
 
 _DESTINATION = re.compile(r"\d{13}-(.+)-[0-9a-f]{6}")
@@ -429,17 +392,6 @@ async def test_a_rolling_update_at_zero_s_default_intervals_loses_nothing_and_ta
     # Retired nodes stop cleanly when asked; so does the owner.
     for s in (a, b, c):
         await s.terminate()
-
-
-@contextlib.contextmanager
-def immutable(path: Path) -> Iterator[None]:
-    """``path`` and everything in it made immutable (``chattr +i``): readable, but
-    nothing can write there, root included (ext4)."""
-    subprocess.run(["chattr", "-R", "+i", str(path)], check=True)
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-R", "-i", str(path)], check=True)
 
 
 async def test_a_node_whose_backup_cannot_be_written_never_takes_over(

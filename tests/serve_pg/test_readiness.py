@@ -20,11 +20,12 @@ from tests.serve_pg.conftest import (
     ServeFactory,
     Writer,
     create_workload_schema,
+    descendants,
     eventually,
+    immutable,
     wait_until_replica_matches,
 )
 from tests.serve_pg.test_backups import ready_status
-from tests.serve_pg.test_handoff import descendants, immutable
 
 
 @contextlib.contextmanager
