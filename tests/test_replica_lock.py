@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.runtime.replica_lock import ReplicaLock, ReplicaLockedError
+from app.runtime.replica_lock import ReplicaLock, ReplicaLockedError, held_replica
 
 
 def test_a_second_holder_is_refused_with_the_holder_named(tmp_path: Path) -> None:
@@ -53,3 +53,22 @@ def test_a_lock_whose_holders_end_within_the_wait_is_taken(tmp_path: Path) -> No
         ReplicaLock(replica).acquire(wait_s=10)  # the child ends after 0.5 s
     finally:
         child.wait(10)
+
+
+def test_a_command_that_writes_the_replica_is_told_who_holds_it(tmp_path: Path) -> None:
+    replica = tmp_path / "replica.db"
+    serve = ReplicaLock(replica)
+    serve.acquire()
+    child = subprocess.Popen(["sleep", "3600"], pass_fds=(serve.fd,))
+    try:
+        with held_replica(replica) as refusal:
+            assert refusal is not None
+            assert f"pid {child.pid} (sleep)" in refusal
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        serve.release()
+    with held_replica(replica) as refusal:  # free again: held for the block
+        assert refusal is None
+        with held_replica(replica, wait_s=0.1) as second:
+            assert second is not None

@@ -55,6 +55,7 @@ from app.logs import configure_logging, final_line
 from app.replica.errors import ReplicaError, ResyncRequiredError
 from app.replica.runner import run_replicator
 from app.runtime.backups import BackupConfigError, litestream_options
+from app.runtime.replica_lock import held_replica
 from app.storage.errors import ChangeDbConfigError
 from app.storage.shard import Shard
 from app.timeouts import within
@@ -87,9 +88,12 @@ def run_replicate(args: argparse.Namespace) -> int:
         missing = not replica.exists()
         if missing and not replica.parent.is_dir():
             raise _Stop(f"directory {replica.parent} does not exist", 2)
-        stopped_by = asyncio.run(
-            _replicate(args, replica, restore_first=missing, password=password)
-        )
+        with held_replica(replica) as held:
+            if held is not None:
+                raise _Stop(held, 1)
+            stopped_by = asyncio.run(
+                _replicate(args, replica, restore_first=missing, password=password)
+            )
     except _Stop as e:
         final_line(str(e), command="changestreamer replicate")
         return e.code

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
 from app.backup.process import check_version
 from app.backup.restore import restore_replica
 from app.commands import CommandError
 from app.commands.startup import read_settings, start_logging
+from app.config import Settings
 from app.runtime.backups import BackupConfigError, RestoreError, litestream_options
 from app.runtime.postgres import UpstreamSetupError, owner_backup_path
+from app.runtime.replica_lock import held_replica
 
 __all__ = ["run_restore"]
 
@@ -36,14 +39,27 @@ def run_restore(args: argparse.Namespace) -> int:
         except UpstreamSetupError as e:
             raise CommandError(str(e), 1) from None
     replica = args.replica or settings.replica_file
+    if not replica.parent.is_dir():
+        raise CommandError(f"directory {replica.parent} does not exist", 2)
+    with held_replica(replica) as held:
+        if held is not None:
+            raise CommandError(held, 1)
+        return _restore(args, settings, replica, updates, backup_path)
+
+
+def _restore(
+    args: argparse.Namespace,
+    settings: Settings,
+    replica: Path,
+    updates: dict[str, object],
+    backup_path: str | None,
+) -> int:
     try:
         options = litestream_options(
             settings.model_copy(update=updates), replica, backup_path=backup_path
         )
         if replica.exists() and not args.force:
             raise CommandError(f"{replica} exists; pass --force to replace it", 2)
-        if not replica.parent.is_dir():
-            raise CommandError(f"directory {replica.parent} does not exist", 2)
         asyncio.run(check_version(options.executable))
         restored = asyncio.run(restore_replica(options, replica_version=args.replica_version))
     except (BackupConfigError, RestoreError) as e:

@@ -16,10 +16,11 @@ import contextlib
 import fcntl
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
-__all__ = ["LOCK_SUFFIX", "ReplicaLock", "ReplicaLockedError"]
+__all__ = ["LOCK_SUFFIX", "ReplicaLock", "ReplicaLockedError", "held_replica"]
 
 LOCK_SUFFIX: Final = ".lock"
 # How long a start waits for the children of a previous run to end (the follower
@@ -81,6 +82,26 @@ class ReplicaLock:
             f"the replica {self.path.with_suffix('')} is in use by another process"
             f"{': ' + named if named else ''} (it holds {self.path}); stop it first"
         )
+
+
+@contextlib.contextmanager
+def held_replica(replica_file: Path, wait_s: float = 0.0) -> Iterator[str | None]:
+    """The lock for a command that writes ``replica_file`` (``restore``,
+    ``replicate``): yields None while it holds it, or the one-line refusal when
+    another process does (or the lock cannot be made)."""
+    lock = ReplicaLock(replica_file)
+    try:
+        lock.acquire(wait_s)
+    except ReplicaLockedError as e:
+        yield str(e)
+        return
+    except OSError as e:
+        yield f"cannot lock the replica: {lock.path}: {e.strerror}"
+        return
+    try:
+        yield None
+    finally:
+        lock.release()
 
 
 def _holders(path: Path) -> list[tuple[int, str]]:
