@@ -191,8 +191,8 @@ def _integrity_problem(path: Path) -> str | None:
         return str(e)
     finally:
         conn.close()
-    found = [str(row[0]) for row in rows if row[0] != "ok"]
-    return "; ".join(" ".join(found).split())[:300] if found else None
+    found = [" ".join(str(row[0]).split()) for row in rows if row[0] != "ok"]
+    return "; ".join(found)[:300] if found else None
 
 
 def _remove_leftovers(staging: Path) -> None:
