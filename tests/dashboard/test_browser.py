@@ -170,8 +170,12 @@ async def test_the_backup_gate_shows_closed_open_and_closed_again(
     # 1. Closed: no backup covers the replica yet; /ready is gated on it.
     await expect(gate).to_have_text("closed", timeout=30 * SECOND_S)
     await expect(reason).to_contain_text("waiting for a backup that covers the replica")
-    await expect(page.locator("#ready")).to_contain_text("not ready: waiting for a backup")
-    await expect(page.locator("#backup-url")).to_have_text(f"file://{blocker}/backup")
+    await expect(page.locator("#ready")).to_contain_text("not ready: gated: waiting for a backup")
+    # This node's own destination under the backup URL (app/backup/destinations.py).
+    destination = re.compile(
+        rf"^file://{re.escape(str(blocker))}/backup/\d{{13}}-rm-1-[0-9a-f]{{6}}$"
+    )
+    await expect(page.locator("#backup-url")).to_have_text(destination)
     await expect(page.locator("#backup-litestream")).to_contain_text("running (pid")
     await expect(page.locator("#upstream-type")).to_have_text("pg")
     slot = page.locator("#upstream-slots .slot")
@@ -195,7 +199,7 @@ async def test_the_backup_gate_shows_closed_open_and_closed_again(
         blocker.write_text("in the way")
         await expect(gate).to_have_text("closed", timeout=60 * SECOND_S)
         await expect(reason).to_contain_text("backup wedged: no progress for")
-        await expect(page.locator("#ready")).to_contain_text("not ready: backup wedged")
+        await expect(page.locator("#ready")).to_contain_text("not ready: owner: backup wedged")
         await screenshot(page, tmp_path / "dashboard-gate-wedged.png")
     finally:
         await writer.finish()
