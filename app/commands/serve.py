@@ -60,6 +60,7 @@ from app.server.admin_auth import AdminAuth, check_startup
 from app.server.app import create_app
 from app.server.http_protocol import GuardedHttpProtocol
 from app.server.log_lines import limit_lines
+from app.server.transport import MAX_CLIENT_FRAME_BYTES
 from app.server.ws_protocol import LivenessProtocol
 from app.sources.demo import DemoChangeSource
 from app.stop_signals import AutoResetSignal
@@ -321,6 +322,7 @@ def _uvicorn_config(
         host=host,
         port=port,
         ws_per_message_deflate=False,
+        ws_max_size=MAX_CLIENT_FRAME_BYTES,  # what a client may send in one frame
         # uvicorn's sans-I/O websockets, with zero's liveness rule: a pong *or* any
         # inbound frame keeps a peer alive (app/server/ws_protocol.py).
         ws=LivenessProtocol.with_queue_limit(settings.subscriber_max_queued_bytes),

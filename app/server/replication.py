@@ -23,7 +23,7 @@ from app.logs import bind_log_fields
 from app.protocol.lexi import InvalidWatermarkError, parse_state_version
 from app.server.replication_access import ReplicationAccess
 from app.server.subscribe_v7 import Session
-from app.server.transport import reject, stream_downstream
+from app.server.transport import id_problem, reject, stream_downstream
 from app.streamer.downstream import Downstream
 from app.streamer.reservations import (
     BackupsNotConfiguredError,
@@ -68,6 +68,13 @@ def _required(query: Mapping[str, str], name: str) -> str:
     return value
 
 
+def _client_id(value: str, name: str) -> str:
+    problem = id_problem(value, name)
+    if problem is not None:
+        raise RequestError(f"invalid querystring - {problem}")
+    return value
+
+
 def _watermark(query: Mapping[str, str], name: str) -> str:
     value = _required(query, name)
     try:
@@ -82,12 +89,12 @@ def subscriber_context(path: str, query: Mapping[str, str]) -> SubscriberContext
     version = protocol_version(path)
     return SubscriberContext(
         protocol_version=version,
-        id=_required(query, "id"),
+        id=_client_id(_required(query, "id"), "id"),
         mode="backup" if query.get("mode") == "backup" else "serving",
         replica_version=_watermark(query, "replicaVersion"),
         watermark=_watermark(query, "watermark"),
         initial=query.get("initial") == "true",
-        task_id=query.get("taskID") or None,
+        task_id=_client_id(query.get("taskID") or "", "taskID") or None,
     )
 
 
@@ -201,7 +208,7 @@ def router(
             return
         try:
             protocol_version(request_path(websocket))
-            task_id = websocket.query_params.get("taskID") or ""
+            task_id = _client_id(websocket.query_params.get("taskID") or "", "taskID")
             if not task_id:
                 raise RequestError("Missing taskID in snapshot request")
             bind_log_fields({"task": task_id})

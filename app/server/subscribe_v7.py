@@ -11,11 +11,16 @@ Both directions use ``{"id":N,"msg":…}`` frames with their own id counters, an
 both ack what they receive. The server acks a client frame once it has acted on
 it; it sends the change stream in batch frames (``{"id":N,"batch":[…]}``).
 
-Rules (the spec leaves them to the server; these are ours): a second
-``reserve-snapshot`` replaces the first; ``reserve-snapshot`` after
-``start-subscription``, a second ``start-subscription``, an unknown message, or
-a malformed frame is a protocol error (close 1002 with the reason); a socket
-that closes before ``start-subscription`` cancels its reservation.
+Rules (the spec leaves them to the server; these are ours): a socket holds one
+reservation: a second ``reserve-snapshot`` of the same task replaces the first, of
+another task it is a protocol error; ``reserve-snapshot`` after
+``start-subscription``, a second ``start-subscription``, an unknown message, more
+than ``MAX_FRAME_MESSAGES`` messages in a frame, an id or task id over
+``MAX_CLIENT_ID_BYTES``, or a malformed frame is a protocol error (close 1002 with
+the reason); a socket that closes before ``start-subscription`` cancels its
+reservation, and a reservation that another connection ends (a reservation or a
+subscription of the same task) closes this socket with 1002 and the reason, so the
+client knows its restore is no longer protected.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from app.protocol.lexi import InvalidWatermarkError, parse_state_version
 from app.server.transport import (
     Outbound,
     ProtocolViolation,
+    id_problem,
     receive_frame,
     run_until_done,
     settle,
@@ -59,6 +65,9 @@ from app.streamer.service import (
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 7
+# Messages one client frame may carry: a view-syncer sends one or two (an ack
+# batch is a frame of its own). More is a protocol error, before any is acted on.
+MAX_FRAME_MESSAGES = 8
 
 
 class Session:
@@ -88,20 +97,21 @@ class Session:
         self._subscribed = asyncio.Event()
         self._ending = False
         # Set when the server ends the session: this socket's reservation was
-        # cancelled by another one for the same task before it subscribed (the
-        # socket then protects nothing, so it is closed and the client learns to
-        # start over), or the subscription's channel closed (the subscriber was
+        # ended by another connection before this one subscribed (the socket then
+        # protects nothing: it is closed with ``_end_reason``, and the client learns
+        # to start over), or the subscription's channel closed (the subscriber was
         # dropped: its sender may be stuck behind a client that does not read).
         self._server_ended = asyncio.Event()
+        self._end_reason: str | None = None
 
     async def run(self) -> None:
         receiver = asyncio.create_task(self._receive(), name="v7-receive")
         subscription = asyncio.create_task(self._send_subscription(), name="v7-send")
-        server_ended = asyncio.create_task(self._server_ended.wait(), name="v7-server-ended")
+        server_ended = asyncio.create_task(self._ended_by_server(), name="v7-server-ended")
         try:
             await run_until_done(
                 self._websocket,
-                {receiver, subscription, server_ended},  # type: ignore[arg-type]
+                {receiver, subscription, server_ended},
                 on_end=self._end,
                 name="v7",
             )
@@ -112,6 +122,11 @@ class Session:
             await settle(tasks)
             # Each task's frame refers to this session: no cycle through a kept one.
             self._relay = self._sender = None
+
+    async def _ended_by_server(self) -> None:
+        await self._server_ended.wait()
+        if self._end_reason is not None:
+            raise ProtocolViolation(self._end_reason)
 
     def _end(self, reason: str) -> None:
         self._ending = True
@@ -166,6 +181,11 @@ class Session:
             raise ProtocolViolation(
                 f"unexpected frame id {envelope.id}: expected {self._expected_client_id}"
             )
+        if len(envelope.messages) > MAX_FRAME_MESSAGES:
+            raise ProtocolViolation(
+                f"a frame carries at most {MAX_FRAME_MESSAGES} messages "
+                f"(frame {envelope.id} has {len(envelope.messages)})"
+            )
         self._expected_client_id += 1
         for message in envelope.messages:
             await self._on_message(message)
@@ -186,7 +206,13 @@ class Session:
     def _reserve(self, body: dict[str, Any]) -> None:
         if self._downstream is not None:
             raise ProtocolViolation("reserve-snapshot after start-subscription")
-        task_id = _string(body, "taskID", "reserve-snapshot")
+        task_id = _client_id(body, "taskID", "reserve-snapshot")
+        held = self._reservation
+        if held is not None and held.task_id != task_id:
+            raise ProtocolViolation(
+                f"reserve-snapshot of task {task_id}: this socket holds the reservation "
+                f"of task {held.task_id} (one reservation per socket)"
+            )
         self._log_fields["task"] = task_id
         try:
             reservation = self._get_service().start_snapshot_reservation(task_id)
@@ -206,14 +232,19 @@ class Session:
             status = loads(message)[1]
             reserved = {**status, "tag": "snapshot"}
             await self._outbound.send([dumps(["reserved", reserved])], None)
-        superseded = (
-            reservation.outcome == "cancelled"
-            and reservation is self._reservation
-            and self._downstream is None
-            and not self._ending
+        # Ended while this socket still holds it, not by this socket: another
+        # connection reserved the same task (cancelled) or subscribed as it
+        # (completed), or it reached its time limit.
+        ended_elsewhere = (
+            reservation is self._reservation and self._downstream is None and not self._ending
         )
-        if superseded:
-            log.info("reservation of task %s was superseded; closing", reservation.task_id)
+        if ended_elsewhere:
+            how = "completed by a subscription" if reservation.outcome == "completed" else "ended"
+            self._end_reason = (
+                f"the reservation of task {reservation.task_id} was {how} on another "
+                "connection; reserve again"
+            )
+            log.info("%s", self._end_reason)
             self._server_ended.set()
 
     def _start_subscription(self, body: dict[str, Any]) -> None:
@@ -222,11 +253,11 @@ class Session:
         where = "start-subscription"
         ctx = SubscriberContext(
             protocol_version=PROTOCOL_VERSION,
-            id=_string(body, "id", where),
+            id=_client_id(body, "id", where),
             mode="backup" if body.get("mode") == "backup" else "serving",
             replica_version=_watermark(body, "replicaVersion", where),
             watermark=_watermark(body, "watermark", where),
-            task_id=_string(body, "taskID", where),
+            task_id=_client_id(body, "taskID", where),
         )
         self._log_fields.clear()  # in place, and in the order /changes lines have
         self._log_fields.update(ctx.log_fields())
@@ -247,6 +278,14 @@ def _string(body: dict[str, Any], key: str, where: str) -> str:
     value = body.get(key)
     if not isinstance(value, str) or not value:
         raise ProtocolViolation(f"{where}: missing {key}")
+    return value
+
+
+def _client_id(body: dict[str, Any], key: str, where: str) -> str:
+    value = _string(body, key, where)
+    problem = id_problem(value, key)
+    if problem is not None:
+        raise ProtocolViolation(f"{where}: {problem}")
     return value
 
 

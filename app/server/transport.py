@@ -55,10 +55,26 @@ MAX_BATCH = 64
 # frame each; v7: in frames of MAX_BATCH).
 MAX_COALESCED = 256
 SENDER_GRACE_S = 1.0
+# A client's frame is at most this long: clients send acks and v7's control messages
+# (well under 1 KiB each), nothing more. Parsing a 16 MiB frame of messages held the
+# event loop for seconds; one this long takes well under a millisecond. uvicorn
+# refuses a longer one at its header (``ws_max_size``).
+MAX_CLIENT_FRAME_BYTES = 64 * 1024
+# A client id or task id is at most this long (UTF-8 bytes): each goes into every log
+# line of its connection and into the subscriber table. zero's are short.
+MAX_CLIENT_ID_BYTES = 256
 # The close handshake waits for the socket to be writable; a client that stopped
 # reading would hold it (and every byte queued for it) forever: after this long the
 # connection is aborted instead.
 CLOSE_TIMEOUT_S = 5.0
+
+
+def id_problem(value: str, name: str) -> str | None:
+    """Why ``value`` cannot be a client's ``name`` (an ``id``, a ``taskID``), or None."""
+    size = len(value.encode(errors="surrogatepass"))
+    if size > MAX_CLIENT_ID_BYTES:
+        return f"{name} is {size} bytes long; at most {MAX_CLIENT_ID_BYTES} are accepted"
+    return None
 
 
 def close_reason(message: str) -> str:

@@ -16,6 +16,7 @@ from app.runtime.lifecycle import NodeLifecycle
 from app.server.admin_auth import AdminAuth
 from app.server.app import create_app
 from app.server.http_protocol import GuardedHttpProtocol
+from app.server.transport import MAX_CLIENT_FRAME_BYTES
 from app.server.ws_protocol import LivenessProtocol
 from app.storage import (
     ChangeDb,
@@ -99,6 +100,7 @@ async def start_server(
         port=port,
         log_level="warning",
         ws_per_message_deflate=per_message_deflate,
+        ws_max_size=MAX_CLIENT_FRAME_BYTES,  # as serve has it
         ws=LivenessProtocol.with_queue_limit(64 * 1024),
         http=http,
     )

@@ -90,6 +90,18 @@ async def closed_with(url: str) -> tuple[int | None, str]:
             "/replication/v6/changes?id=x&replicaVersion=01",
             "Error: invalid querystring - missing watermark",
         ),
+        (  # every line of the connection logs it: bounded
+            f"/replication/v6/changes?id={'i' * 257}&replicaVersion=01&watermark=01",
+            "Error: invalid querystring - id is 257 bytes long; at most 256 are accepted",
+        ),
+        (
+            f"/replication/v6/changes?id=x&taskID={'t' * 300}&replicaVersion=01&watermark=01",
+            "Error: invalid querystring - taskID is 300 bytes long; at most 256 are accepted",
+        ),
+        (
+            f"/replication/v6/snapshot?taskID={'t' * 300}",
+            "Error: invalid querystring - taskID is 300 bytes long; at most 256 are accepted",
+        ),
         ("/replication/v6/snapshot", "Error: Missing taskID in snapshot request"),
         (
             "/replication/v6/snapshot?taskID=t1",

@@ -167,6 +167,12 @@ async def test_disconnecting_before_subscribing_cancels_the_reservation(backed_u
         ([start("01"), start("01")], "start-subscription was already received"),
         ([["hello", {}]], "unknown message type 'hello'"),
         ([start("zz")], "start-subscription: watermark"),
+        (
+            [["reserve-snapshot", {"taskID": "a"}], ["reserve-snapshot", {"taskID": "b"}]],
+            "reserve-snapshot of task b: this socket holds the reservation of task a",
+        ),
+        ([start("01", task="t" * 257)], "taskID is 257 bytes long; at most 256"),
+        ([start("01", id="é" * 129)], "id is 258 bytes long; at most 256"),
     ],
 )
 async def test_out_of_order_or_malformed_control_messages_close_with_1002(
@@ -222,7 +228,80 @@ async def test_a_reservation_superseded_by_another_socket_closes_the_first(
         with pytest.raises(ConnectionClosed) as e:
             while True:
                 await one.frame()
+        # Told why: its restore is no longer protected (zero's client reserves again).
         assert e.value.rcvd is not None
-        assert e.value.rcvd.code == 1000
+        assert e.value.rcvd.code == 1002
+        assert e.value.rcvd.reason == (
+            "Error: the reservation of task same-task was ended on another connection; "
+            "reserve again"
+        )
         # The second socket's reservation stands.
         assert server.service.reservations.is_open("same-task")
+
+
+async def test_one_frame_of_many_reservations_opens_none_and_leaves_nothing_behind(
+    backed_up: Server,
+) -> None:
+    # The probe: 64 task ids in one batch, then close. One reservation per
+    # socket, and the frame is refused whole: nothing was reserved.
+    url = f"{backed_up.url}/replication/v7/subscribe"
+    batch = [["reserve-snapshot", {"taskID": f"leak{i}"}] for i in range(64)]
+    async with connect(url) as ws:
+        await Client(ws).send(*batch)
+        with pytest.raises(ConnectionClosed) as e:
+            await asyncio.wait_for(ws.recv(), 10)
+    assert e.value.rcvd is not None
+    assert (e.value.rcvd.code, e.value.rcvd.reason) == (
+        1002,
+        "Error: a frame carries at most 8 messages (frame 1 has 64)",
+    )
+    assert backed_up.service.reservations.open_tasks == []
+    # Within the cap, a second task is refused and the socket's one reservation ends
+    # with it.
+    async with connect(url) as ws:
+        await Client(ws).send(*batch[:2])
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await asyncio.wait_for(ws.recv(), 10)
+    await eventually(
+        lambda: backed_up.service.reservations.open_tasks == [], "every reservation to end"
+    )
+
+
+async def test_a_frame_longer_than_a_client_sends_is_refused_at_its_header(
+    backed_up: Server,
+) -> None:
+    # 100,000 reservations of one task in one 4.3 MB frame held the loop for 3.9 s.
+    message = ["reserve-snapshot", {"taskID": "same"}]
+    frame = dumps({"id": 1, "batch": [message] * 100_000})
+    assert len(frame) > 3_800_000
+    async with connect(f"{backed_up.url}/replication/v7/subscribe", max_size=None) as ws:
+        with pytest.raises(ConnectionClosed) as e:  # while sending, or right after
+            await ws.send(frame)
+            await asyncio.wait_for(ws.recv(), 10)
+    assert e.value.rcvd is not None
+    assert e.value.rcvd.code == 1009  # message too big
+    assert backed_up.service.reservations.open_tasks == []
+
+
+async def test_a_reservation_completed_by_another_connection_closes_its_socket_with_why(
+    backed_up: Server,
+) -> None:
+    # Anyone who knows a task id can subscribe as it: the restoring client must not
+    # be left holding a socket that protects nothing.
+    server = backed_up
+    async with connect(f"{server.url}/replication/v7/subscribe") as ws:
+        client = Client(ws)
+        await client.send(["reserve-snapshot", {"taskID": "victim"}])
+        await eventually(lambda: server.service.reservations.is_open("victim"), "the reservation")
+        query = "id=intruder&replicaVersion=01&watermark=01&taskID=victim"
+        async with connect(f"{server.url}/replication/v6/changes?{query}"):
+            with pytest.raises(ConnectionClosed) as e:
+                while True:
+                    await client.frame()
+    assert e.value.rcvd is not None
+    assert e.value.rcvd.code == 1002
+    assert e.value.rcvd.reason == (
+        "Error: the reservation of task victim was completed by a subscription on another "
+        "connection; reserve again"
+    )
