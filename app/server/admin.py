@@ -18,7 +18,8 @@ an unset admin password denies everything, and outside development the process
 must refuse to start (:func:`check_startup`). Passwords are compared as SHA-256
 digests with ``hmac.compare_digest``: the time taken says nothing about the
 supplied password, its length included. Wrong passwords are slowed per client
-address (:class:`LoginBackoff`), but the right one is never refused. A denial is
+address and password (:class:`LoginBackoff`): once an address must wait, its
+passwords are held or refused (429) unchecked until the wait is over. A denial is
 ``401 Unauthorized`` with ``WWW-Authenticate: Basic realm="Statz Protected Area"``
 (resp. ``"Profz"``, ``"Profile"``, ``"Heapz Protected Area"``).
 

@@ -137,12 +137,16 @@ def router(
     def access() -> ReplicationAccess:
         options = get_service().options
         if not built or built[0][0] is not options:
-            checks = ReplicationAccess(options.allowed_origins, options.replication_password)
+            checks = ReplicationAccess(
+                options.allowed_origins,
+                options.replication_password,
+                backoff=built[0][1].backoff if built else None,
+            )
             built[:] = [(options, checks)]
         return built[0][1]
 
     async def admitted(websocket: WebSocket) -> bool:
-        refusal = access().check(websocket.scope)
+        refusal = await access().check(websocket.scope)
         if refusal is not None:
             await _deny(websocket, refusal.status, refusal.reason, refusal.headers)
             return False

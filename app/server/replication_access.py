@@ -15,7 +15,11 @@ request (the socket is never accepted, so nothing is read or reserved):
   user info (and drops its path and query, so a query parameter could not be
   carried), and Node's ``ws`` sends user info as ``Authorization: Basic``. ``ws``
   sends the user info as written in the URL (percent-escapes not decoded), so both
-  the raw and the decoded form are compared. Missing or wrong: 401.
+  the raw and the decoded form are compared. Missing or wrong: 401. Wrong
+  passwords are slowed per client address as the admin passwords are
+  (:class:`~app.server.admin_auth.LoginBackoff`): once an address must wait, its
+  upgrades are held until the wait is over, or refused with 429 and
+  ``Retry-After``, without their password being compared.
 
 Refusals are logged at INFO, bounded: the first of each status at once, then one
 line per interval with the counts (a flood of refused upgrades is not a flood of
@@ -36,6 +40,7 @@ from urllib.parse import unquote
 
 from starlette.types import Scope
 
+from app.server.admin_auth import LoginBackoff
 from app.server.log_lines import RefusalLog
 
 __all__ = ["REFUSAL_LOG_INTERVAL_S", "Refusal", "ReplicationAccess", "normalize_origin"]
@@ -43,6 +48,7 @@ __all__ = ["REFUSAL_LOG_INTERVAL_S", "Refusal", "ReplicationAccess", "normalize_
 log = logging.getLogger(__name__)
 
 REFUSAL_LOG_INTERVAL_S: Final = 60.0
+SECRET: Final = "replication"  # the password's name in the back-off
 
 
 class Refusal:
@@ -64,7 +70,8 @@ def _digest(value: str) -> bytes:
 
 
 class ReplicationAccess:
-    """The checks of one server (``check`` per upgrade)."""
+    """The checks of one server (``check`` per upgrade). Pass the ``backoff`` of the
+    checks this one replaces, so that new options do not forget the guessers."""
 
     def __init__(
         self,
@@ -72,42 +79,57 @@ class ReplicationAccess:
         password: str | None = None,
         *,
         log_interval_s: float = REFUSAL_LOG_INTERVAL_S,
+        backoff: LoginBackoff | None = None,
     ) -> None:
         self._origins = frozenset(normalize_origin(o) for o in allowed_origins if o.strip())
         self._password = _digest(password) if password else None
         self._log = RefusalLog("replication upgrade", log, log_interval_s)
+        self.backoff = backoff or LoginBackoff(logger=log)
 
-    def check(self, scope: Scope) -> Refusal | None:
-        """None if the upgrade may proceed; else the refusal (already logged)."""
+    async def check(self, scope: Scope) -> Refusal | None:
+        """None if the upgrade may proceed; else the refusal (already logged). Waits
+        while a password from a client that must wait is held."""
         headers: dict[bytes, bytes] = {}
         for name, value in scope.get("headers", ()):
             headers.setdefault(name.lower(), value)
-        refusal = self._refusal(headers)
+        client = scope.get("client")
+        refusal = await self._refusal(headers, client[0] if client else "")
         if refusal is not None:
-            client = scope.get("client")
             peer = f"{client[0]}:{client[1]}" if client else "?"
             self._log.refused(refusal.status, peer, refusal.reason)
         return refusal
 
-    def _refusal(self, headers: dict[bytes, bytes]) -> Refusal | None:
+    async def _refusal(self, headers: dict[bytes, bytes], address: str) -> Refusal | None:
         origin = headers.get(b"origin")
         if origin is not None:
             text = origin.decode("latin-1")
             if normalize_origin(text) not in self._origins:
                 # repr: the header is the client's; it may hold control characters.
                 return Refusal(403, f"origin {text[:200]!r} is not allowed")
-        if self._password is not None and not self._authorized(headers.get(b"authorization")):
-            return Refusal(
-                401,
-                "missing or wrong replication password",
-                {"WWW-Authenticate": 'Basic realm="changestreamer replication"'},
-            )
-        return None
+        if self._password is None:
+            return None
+        authorization = headers.get(b"authorization")
+        if authorization is not None:  # a request without one is no guess
+            retry_after_s = await self.backoff.turn(address, (SECRET,))
+            if retry_after_s:
+                return Refusal(
+                    429,
+                    "too many wrong replication passwords; retry later",
+                    {"Retry-After": str(retry_after_s)},
+                )
+            if self.authorized(authorization):
+                self.backoff.succeeded(address, SECRET)
+                return None
+            self.backoff.failed(address, (SECRET,))
+        return Refusal(
+            401,
+            "missing or wrong replication password",
+            {"WWW-Authenticate": 'Basic realm="changestreamer replication"'},
+        )
 
-    def _authorized(self, header: bytes | None) -> bool:
+    def authorized(self, header: bytes) -> bool:
+        """Whether an ``Authorization`` value carries the replication password."""
         assert self._password is not None
-        if header is None:
-            return False
         scheme, _, encoded = header.decode("latin-1").strip().partition(" ")
         if scheme.lower() != "basic":
             return False

@@ -142,56 +142,187 @@ class Clock:
         return self.now
 
 
-async def test_repeated_wrong_passwords_from_an_address_must_wait_then_429() -> None:
+LOOPBACK = "127.0.0.1"
+FREE = LoginBackoff.FREE_FAILURES
+# The passwords a guess at /statz may find (the operator's and the admin's).
+STATZ_SECRETS = ("admin", "operator")
+
+
+def refusing(clock: Clock) -> LoginBackoff:
+    """A back-off on a clock that moves only when told, holding no request: once an
+    address must wait, each of its passwords is answered 429 at once, unchecked."""
+    backoff = LoginBackoff(clock)
+    backoff.MAX_HELD_PER_ADDRESS = 0
+    return backoff
+
+
+async def get_alone(
+    url: str, path: str, password: str, forwarded_for: str | None = None
+) -> tuple[int, dict[str, str]]:
+    """GET with a password on a connection of its own, so that any number are in
+    flight at once (``get`` runs on the few threads of the default executor); the
+    status and the headers (names in lower case)."""
+    host, port = urllib.parse.urlsplit(url).netloc.split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    forwarded = f"X-Forwarded-For: {forwarded_for}\r\n" if forwarded_for else ""
+    try:
+        writer.write(
+            f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: {basic(password)}\r\n"
+            f"{forwarded}Connection: close\r\n\r\n".encode()
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 90)
+    finally:
+        writer.close()
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    fields = (line.split(":", 1) for line in lines if line)
+    return int(status_line.split()[1]), {name.lower(): value.strip() for name, value in fields}
+
+
+def count_checks(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """The Authorization values whose password ``AdminAuth`` compared, as it compares them."""
+    checked: list[str | None] = []
+    compare = AdminAuth.granted
+
+    def counting(self: AdminAuth, authorization: str | None, role: Role) -> Role | None:
+        if authorization is not None:
+            checked.append(authorization)
+        return compare(self, authorization, role)
+
+    monkeypatch.setattr(AdminAuth, "granted", counting)
+    return checked
+
+
+async def test_once_an_address_must_wait_its_passwords_are_429_unchecked_until_it_has() -> None:
     clock = Clock()
-    backoff = LoginBackoff(clock, hold_s=0.01)
-    auth = AdminAuth(ADMIN, OPERATOR, development=False, backoff=backoff)
-    free = LoginBackoff.FREE_FAILURES
+    backoff = refusing(clock)
+    auth = AdminAuth(ADMIN, None, development=False, backoff=backoff)
     async with serve(admin_app(auth)) as url:
-        first = [(await get(url + "/statz", f"guess-{i}")).status for i in range(free + 1)]
+        first = [(await get(url + "/statz", f"guess-{i}")).status for i in range(FREE + 1)]
         blocked = await get(url + "/statz", "another-guess")
-        # The right password is never refused: an address may be shared with the
-        # guesser (a proxy, a NAT), and a lockout would keep the operator out.
+        # Not compared either: a guesser learns nothing before the wait is over.
         right_during_the_wait = await get(url + "/statz", ADMIN)
-        # A right password clears the count: ten more guesses are free again.
-        again = [(await get(url + "/statz", f"guess-{i}")).status for i in range(free)]
-    assert first == [401] * (free + 1)
+        clock.now += 1.0
+        # No lockout: once the wait is over, the right password gets in and clears
+        # the count (ten more guesses are free again).
+        right_after_the_wait = await get(url + "/statz", ADMIN)
+        again = [(await get(url + "/statz", f"guess-{i}")).status for i in range(FREE)]
+    assert first == [401] * (FREE + 1)
     assert (blocked.status, blocked.headers["Retry-After"]) == (429, "1")
-    assert right_during_the_wait.status == 200
-    assert again == [401] * free
-    assert backoff.wrong_total == 2 * free + 2  # every wrong guess is counted
+    assert (right_during_the_wait.status, right_during_the_wait.headers["Retry-After"]) == (
+        429,
+        "1",
+    )
+    assert right_after_the_wait.status == 200
+    assert again == [401] * FREE
+    assert backoff.wrong_total == 2 * FREE + 1  # the wrong passwords compared
 
 
-async def test_a_wrong_password_during_the_wait_is_held_back_boundedly() -> None:
-    clock = Clock()
-    backoff = LoginBackoff(clock, hold_s=30.0)
-    backoff.MAX_HELD = 1
+async def test_a_parallel_guesser_gets_its_passwords_checked_once_per_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """80 wrong passwords at once from an address that must wait: a few are held
+    until the wait is over, the rest answered 429 at once, and none is compared
+    before the wait is over; the right password, sent after them, gets in once the
+    wait it meets is over (the defaults: 10 free failures, waits of 1 s, 2 s, …)."""
+    checked = count_checks(monkeypatch)
+    backoff = LoginBackoff()
     auth = AdminAuth(ADMIN, OPERATOR, development=False, backoff=backoff)
-    for _ in range(LoginBackoff.FREE_FAILURES + 1):
-        backoff.failed("127.0.0.1")
     async with serve(admin_app(auth)) as url:
-        held = asyncio.create_task(get(url + "/statz", "one-more-guess"))
-        await eventually(lambda: backoff.held == 1, "the wrong guess's answer held")
-        # At most MAX_HELD are held: the next wrong answer comes at once.
-        assert (await get(url + "/statz", "and-another")).status == 429
-        # The right password is held behind neither.
-        assert (await get(url + "/statz", ADMIN)).status == 200
-        assert not held.done()
-        held.cancel()
+        first = [(await get(url + "/statz", f"guess-{i}")).status for i in range(FREE + 1)]
+        assert len(checked) == FREE + 1
+        flood = await asyncio.gather(
+            *(get_alone(url, "/statz", f"parallel-guess-{i}") for i in range(80))
+        )
+        flood_checks = len(checked) - (FREE + 1)
+        right = await get_alone(url, "/statz", ADMIN)
+    assert first == [401] * (FREE + 1)
+    statuses = [status for status, _ in flood]
+    assert set(statuses) <= {401, 429}
+    # 401: compared (and wrong); 429: not compared. One password a wait is compared:
+    # whichever comes first once a wait is over (1 s, then 2 s, 4 s, 8 s: this is
+    # at most four waits' worth, however slow the machine).
+    assert statuses.count(401) == flood_checks
+    assert flood_checks <= LoginBackoff.MAX_HELD_PER_ADDRESS
+    assert all(int(headers["retry-after"]) >= 1 for status, headers in flood if status == 429)
+    assert right[0] == 200
+    assert len(checked) == FREE + 1 + flood_checks + 1
+
+
+async def test_held_passwords_are_bounded_per_address_and_in_all() -> None:
+    """Held passwords wait for the end of their address's wait, then are compared;
+    past the per-address bound or the global one, they are refused at once."""
+    backoff = LoginBackoff()
+    backoff.MAX_HELD_PER_ADDRESS = 1
+    backoff.MAX_HELD = 2
+    auth = AdminAuth(ADMIN, OPERATOR, development=False, backoff=backoff)
+    addresses = ["192.0.2.1", "192.0.2.2", "192.0.2.3"]
+    for address in addresses:
+        for _ in range(FREE + 4):  # an 8 s wait: time to see requests held, however slow
+            backoff.failed(address, STATZ_SECRETS)
+    async with serve(admin_app(auth), **proxy_header_options([LOOPBACK])) as url:
+
+        def held(password: str, address: str) -> asyncio.Task[tuple[int, dict[str, str]]]:
+            return asyncio.create_task(get_alone(url, "/statz", password, address))
+
+        right = held(ADMIN, addresses[0])
+        await eventually(lambda: backoff.held == 1, "the first address's password held")
+        same_address = await get_alone(url, "/statz", "a-guess", addresses[0])
+        wrong = held("a-guess", addresses[1])
+        await eventually(lambda: backoff.held == 2, "the second address's password held")
+        beyond_all = await get_alone(url, "/statz", "a-guess", addresses[2])
+        assert same_address[0] == 429
+        assert beyond_all[0] == 429
+        # Held until the wait was over, then compared.
+        assert (await right)[0] == 200
+        assert (await wrong)[0] == 401
+    assert backoff.held == 0
+
+
+async def test_an_operator_login_does_not_clear_the_admin_failures() -> None:
+    """Guesses at the admin password (/profz opens with it only) are not forgiven
+    by the operator's password: knowing it must not buy guesses at the admin's."""
+    clock = Clock()
+    auth = AdminAuth(ADMIN, OPERATOR, development=False, backoff=refusing(clock))
+    async with serve(admin_app(auth)) as url:
+        guesses = [(await get(url + "/profz", f"guess-{i}")).status for i in range(FREE)]
+        operator = await get(url + "/statz", OPERATOR)
+        after = [(await get(url + "/profz", f"more-{i}")).status for i in range(2)]
+        clock.now += 1.0
+        admin = await get(url + "/profz?seconds=1", ADMIN)
+    assert guesses == [401] * FREE
+    assert operator.status == 200
+    assert after == [401, 429]  # the eleventh in a row, then the wait
+    assert admin.status == 200
+
+
+async def test_an_admin_login_does_not_clear_the_operator_failures() -> None:
+    """And the other way round: each password's guesses are its own."""
+    clock = Clock()
+    auth = AdminAuth(ADMIN, OPERATOR, development=False, backoff=refusing(clock))
+    async with serve(admin_app(auth)) as url:
+        guesses = [(await get(url + "/statz", f"guess-{i}")).status for i in range(FREE)]
+        admin = await get(url + "/profz?seconds=1", ADMIN)
+        after = [(await get(url + "/statz", f"more-{i}")).status for i in range(2)]
+        clock.now += 1.0
+        operator = await get(url + "/statz", OPERATOR)
+    assert guesses == [401] * FREE
+    assert admin.status == 200
+    assert after == [401, 429]
+    assert operator.status == 200
 
 
 async def test_the_back_off_keys_on_the_peer_not_on_x_forwarded_for() -> None:
     """serve's uvicorn options believe no X-Forwarded-For by default: a client that
     rotates the header still meets the back-off, and cannot lock out an address it
     names; with the proxy trusted, the header is the client."""
-    free = LoginBackoff.FREE_FAILURES
 
     async def guesses(options: dict[str, Any]) -> tuple[list[int], LoginBackoff]:
-        backoff = LoginBackoff(hold_s=0.01)
+        backoff = refusing(Clock())
         auth = AdminAuth(ADMIN, OPERATOR, development=False, backoff=backoff)
         statuses = []
         async with serve(admin_app(auth), **options) as url:
-            for i in range(free + 2):
+            for i in range(FREE + 2):
                 headers = {
                     "Authorization": basic(f"guess-{i}"),
                     "X-Forwarded-For": f"203.0.113.{i}",
@@ -200,29 +331,29 @@ async def test_the_back_off_keys_on_the_peer_not_on_x_forwarded_for() -> None:
         return statuses, backoff
 
     statuses, backoff = await guesses(proxy_header_options([]))
-    assert statuses == [401] * (free + 1) + [429]
-    assert backoff.wait_s("127.0.0.1") > 0
-    assert backoff.wait_s("203.0.113.0") == 0  # a named address is not locked out
-    trusted, _ = await guesses(proxy_header_options(["127.0.0.1"]))
-    assert trusted == [401] * (free + 2)  # each guess from its own (forwarded) client
+    assert statuses == [401] * (FREE + 1) + [429]
+    assert backoff.wait_s(LOOPBACK, STATZ_SECRETS) > 0
+    assert backoff.wait_s("203.0.113.0", STATZ_SECRETS) == 0  # a named address is not locked out
+    trusted, _ = await guesses(proxy_header_options([LOOPBACK]))
+    assert trusted == [401] * (FREE + 2)  # each guess from its own (forwarded) client
 
 
 def test_the_wait_doubles_to_a_cap_and_memory_is_bounded() -> None:
     clock = Clock()
     backoff = LoginBackoff(clock)
-    free = LoginBackoff.FREE_FAILURES
     waits = []
-    for _ in range(free + 8):
-        backoff.failed("10.0.0.1")
-        waits.append(backoff.wait_s("10.0.0.1"))
-    assert waits[:free] == [0.0] * free
-    assert waits[free:] == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    for _ in range(FREE + 8):
+        backoff.failed("10.0.0.1", ("admin",))
+        waits.append(backoff.wait_s("10.0.0.1", ("admin",)))
+    assert waits[:FREE] == [0.0] * FREE
+    assert waits[FREE:] == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    assert backoff.wait_s("10.0.0.1", ("operator",)) == 0.0  # another password's count
     clock.now += LoginBackoff.FORGET_S
-    assert backoff.wait_s("10.0.0.1") == 0.0  # forgotten after a quiet while
+    assert backoff.wait_s("10.0.0.1", ("admin",)) == 0.0  # forgotten after a quiet while
     for i in range(LoginBackoff.MAX_ADDRESSES + 100):
-        backoff.failed(f"addr-{i}")
+        backoff.failed(f"addr-{i}", ("admin",))
     assert len(backoff._failures) == LoginBackoff.MAX_ADDRESSES
-    assert "addr-0" not in backoff._failures  # the least recent went first
+    assert ("addr-0", "admin") not in backoff._failures  # the least recent went first
 
 
 async def test_the_admin_password_opens_statz_whatever_the_username() -> None:
@@ -308,7 +439,7 @@ def test_startup_is_allowed_with_a_password_or_in_development() -> None:
     ],
 )
 def test_password_rules(auth: AdminAuth, header: str | None, role: Role, allowed: bool) -> None:
-    assert auth.allows(header, role) is allowed
+    assert (auth.granted(header, role) is not None) is allowed
 
 
 # -- /statz -------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from app.client.tail import run_tail
 from app.commands.replicate import run_replicate
 from app.protocol.canonical_json import dumps, loads
 from app.runtime.held_reservation import HeldReservation
+from app.server.admin_auth import LoginBackoff
 from app.server.log_lines import limit_lines
 from app.server.replication_access import ReplicationAccess
 from tests.replica.conftest import new_replica
@@ -102,13 +103,15 @@ async def test_refusals_are_logged_at_info_and_bounded(
     assert "'https://evil.example' is not allowed" in lines[0].getMessage()
 
 
-def test_later_refusals_are_one_summary_line_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+async def test_later_refusals_are_one_summary_line_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, "app.server.replication_access")
     access = ReplicationAccess(password="pw", log_interval_s=0.0)
     scope = {"client": ("127.0.0.1", 5), "headers": [(b"origin", b"https://evil.example")]}
     for _ in range(3):
-        assert access.check(scope) is not None
-    assert access.check({"client": ("127.0.0.1", 6), "headers": []}) is not None
+        assert await access.check(scope) is not None
+    assert await access.check({"client": ("127.0.0.1", 6), "headers": []}) is not None
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == (
         "refused a replication upgrade from 127.0.0.1:5: 403 "
@@ -144,6 +147,38 @@ async def test_the_replication_password_is_required(guarded: Server, path: str) 
     # User info in the URL (websockets sends it as Basic auth, as ws does).
     userinfo = guarded.url.replace("ws://", "ws://zero:s3cr-t@")
     assert await status_of(userinfo + path) == 101
+
+
+async def test_wrong_replication_passwords_are_backed_off_unchecked(
+    guarded: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the admin passwords are (LoginBackoff, at its defaults): after the free
+    failures, an address's upgrades are held until its wait is over or refused
+    with 429 at once, their passwords not compared; parallel upgrades buy no more
+    guesses, and the right password gets in once the wait is over."""
+    checked: list[bytes] = []
+    compare = ReplicationAccess.authorized
+
+    def counting(self: ReplicationAccess, header: bytes) -> bool:
+        checked.append(header)
+        return compare(self, header)
+
+    monkeypatch.setattr(ReplicationAccess, "authorized", counting)
+    url = guarded.url + CHANGES
+    free = LoginBackoff.FREE_FAILURES
+    first = [await status_of(url, basic("zero", f"guess-{i}")) for i in range(free + 1)]
+    # 20 at once: within the server's handshake burst (start_server: 50 a second).
+    flood = await asyncio.gather(
+        *(status_of(url, basic("zero", f"parallel-guess-{i}")) for i in range(20))
+    )
+    flood_checks = len(checked) - (free + 1)
+    right = await status_of(url, basic("zero", "s3cr-t"))
+    assert first == [401] * (free + 1)
+    assert set(flood) <= {401, 429}
+    assert flood.count(401) == flood_checks  # 401: compared; 429: not
+    assert flood_checks <= LoginBackoff.MAX_HELD_PER_ADDRESS  # one a wait (1 s, 2 s, …)
+    assert right == 101
+    assert guarded.service.reservations.open_tasks == []
 
 
 async def test_a_browser_origin_is_refused_even_with_the_password(guarded: Server) -> None:
