@@ -14,13 +14,18 @@ nothing of its own). ``ZERO_LOG_FORMAT`` picks the format:
 Fields: a connection binds its subscriber's id, task, mode and protocol once
 (``bind_log_fields``) and every line logged in its tasks carries them; a line
 about a subscriber logged from elsewhere (the forwarder's timers, say) passes them
-with ``extra=log_extra(fields)``. Nothing is done per change or per message.
+with ``extra=log_extra(fields)``. Nothing is done per change or per message. A
+line shows at most ``FIELD_CHARS`` characters of each string in a field (a client
+chooses its ids), then ``…(N chars)``.
 
 Secrets: ``RedactSecrets`` scrubs every line's message, arguments and traceback
 of URL passwords, ``password=`` conninfo values, ``Authorization`` header values
 (websockets logs its handshake at debug level) and secret-looking query
 parameters (``redact``, the one implementation; error messages that quote a URL use
 it too). ``redacted_conninfo`` shows a Postgres upstream without them.
+
+Control characters: ``escape_controls`` spells them out, in a text line's message
+and fields, in a JSON line, and in what ``tail`` and ``status`` print.
 
 Stdlib only at import (psycopg only inside ``redacted_conninfo``): ``cli`` imports it
 before anything heavy.
@@ -40,6 +45,7 @@ from types import TracebackType
 from typing import Final, Literal, TextIO
 
 __all__ = [
+    "FIELD_CHARS",
     "LogFormat",
     "LogHandler",
     "RedactSecrets",
@@ -73,6 +79,12 @@ _FIELDS_ATTR: Final = "log_fields"
 # JSON keys a field may not replace.
 _CORE_KEYS: Final = frozenset({"time", "level", "logger", "message", "pid", "exc"})
 
+# A field's characters in a line, at most (then "…(N chars)"): a client chooses its
+# ids and each one is on every line its connection logs (issue 43: a 4 MB id made
+# 25 MB of log in 5.6 s). The protocol refuses ids over 256 bytes; this bounds what
+# reaches a line whatever reaches a field.
+FIELD_CHARS: Final = 128
+
 _fields: ContextVar[dict[str, object] | None] = ContextVar("log_fields", default=None)
 
 
@@ -93,16 +105,24 @@ def log_level(value: str) -> int:
 # (libpq then refuses the URL, and the error quotes it), and hiding too much beats
 # showing a password.
 _URL_PASSWORD: Final = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]*):[^@\n]{0,512}@")
-# libpq's key=value conninfo (password='a b' or password=x), also in a query string.
+# A password in libpq's key=value conninfo (sslpassword=, an environment's
+# PGPASSWORD= too), its value as libpq reads it: quoted, '…' with \' and \\ inside
+# (a quote left open hides the rest of its line), or bare up to whitespace, where a
+# backslash escapes the next character (password=a\ b is "a b"). A "…" value is no
+# libpq syntax but a repr's or a shell's: hidden whole too. A URL's ?password= is
+# _SECRET_PARAM's (its value ends at "&").
 _CONNINFO_PASSWORD: Final = re.compile(
-    r"(?i)\b((?:ssl)?passw(?:or)?d\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s&#]+)"
+    r"(?i)(?<![\w?&;])(\w*passw(?:or)?d\s*=\s*)"
+    r"(?:'(?:[^'\\]|\\.)*'|'[^\n]*|\"(?:[^\"\\]|\\.)*\"|(?:\\.|[^\s\\])+\\?)"
 )
 # libpq's URI parse errors that quote one piece of the URI, which may be all or part
 # of the password (``invalid percent-encoded token: "s3cr%zzet"``); errors that quote
 # the whole URI are covered by the URL rule above.
+# ``missing "=" after "Tail"`` quotes the word after a bare value that held a space:
+# the password's tail.
 _LIBPQ_TOKEN: Final = re.compile(
     r"((?:invalid percent-encoded token|invalid URI query parameter|"
-    r'unexpected spaces found in)\s*:?\s*)"[^"]*"'
+    r'unexpected spaces found in|missing "=" after)\s*:?\s*)"[^"]*"'
 )
 # A credential header as websockets logs a handshake at debug level
 # (``> Authorization: Basic OnMzY3I…``: the base64 of the replication password),
@@ -204,6 +224,29 @@ def _record_fields(record: logging.LogRecord) -> Mapping[str, object]:
     return fields if isinstance(fields, Mapping) else {}
 
 
+def _cut(text: str) -> str:
+    if len(text) <= FIELD_CHARS:
+        return text
+    return f"{text[:FIELD_CHARS]}…({len(text)} chars)"
+
+
+def _bounded(value: object) -> object:
+    """A field's value as a line shows it: every string in it (a client's id, or a
+    list of them) cut to ``FIELD_CHARS`` characters, then ``…`` and its length;
+    JSON's types kept, any other value as its cut ``str``."""
+    if isinstance(value, str):
+        return _cut(value)
+    if value is None or isinstance(value, int | float):
+        return value
+    if isinstance(value, list):
+        return [_bounded(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_bounded(v) for v in value)
+    if isinstance(value, Mapping):
+        return {_cut(str(k)): _bounded(v) for k, v in value.items()}
+    return _cut(str(value))
+
+
 # -- formats ------------------------------------------------------------------
 
 
@@ -212,13 +255,15 @@ def _utc_time(record: logging.LogRecord) -> str:
     return f"{stamp}.{int(record.msecs):03d}Z"
 
 
-# Characters that end a line or drive a terminal, in a line a client's text may reach
-# (a subscriber id ``x%0AFORGED…`` would otherwise forge a whole line): C0 controls
-# but the tab, DEL, C1 controls (NEL among them) and Unicode's line separators.
-_CONTROL: Final = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
-# What JSON leaves raw with ensure_ascii=False and a line reader may split on.
+# Characters that end a line or drive a terminal, in a line a peer's text may reach
+# (a subscriber id ``x%0AFORGED…`` would otherwise forge a whole line, a table name
+# ``ESC [2J`` clear the screen of whoever runs ``tail``): C0 controls, the tab among
+# them, DEL, C1 controls (NEL and CSI among them) and Unicode's line separators.
+_CONTROL: Final = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# What JSON leaves raw with ensure_ascii=False (it escapes every C0 control in a
+# string; outside strings they are layout) and a line reader or a terminal obeys.
 _JSON_UNSAFE: Final = re.compile("[\x7f-\x9f\u2028\u2029]")
-_NAMED_ESCAPES: Final = {"\n": "\\n", "\r": "\\r"}
+_NAMED_ESCAPES: Final = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _escape_control(match: re.Match[str]) -> str:
@@ -229,21 +274,28 @@ def _escape_control(match: re.Match[str]) -> str:
     return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
 
 
-def escape_controls(text: str) -> str:
-    """``text`` on one line: ``\\n``, ``\\r``, ``\\x1b``, ``\\u2028`` for the characters
-    ``_CONTROL`` names (a text line's message; fields are quoted and escaped)."""
-    return _CONTROL.sub(_escape_control, text)
-
-
 def _json_safe(match: re.Match[str]) -> str:
     return f"\\u{ord(match.group(0)):04x}"
 
 
+def escape_controls(text: str, *, in_json: bool = False) -> str:
+    """``text`` safe to write on one line of a log or a terminal: every control
+    character (``_CONTROL``) spelled out in the 2 to 6 characters of Python's
+    escape, ``\\n``, ``\\t``, ``\\x1b``, ``\\x9b``, ``\\u2028``, which reads back
+    unambiguously and which no terminal obeys.
+
+    ``in_json``: ``text`` is JSON; the characters JSON leaves raw become ``\\u009b``
+    escapes, so that it stays valid JSON of the same value."""
+    if in_json:
+        return _JSON_UNSAFE.sub(_json_safe, text)
+    return _CONTROL.sub(_escape_control, text)
+
+
 def _text_value(value: object) -> str:
-    text = str(value)
+    text = str(_bounded(value))
     if not text or _CONTROL.search(text) or any(c.isspace() or c in "\"='" for c in text):
         # json.dumps escapes quotes and C0 controls; the rest as a JSON line does.
-        return _JSON_UNSAFE.sub(_json_safe, json.dumps(text, ensure_ascii=False))
+        return escape_controls(json.dumps(text, ensure_ascii=False), in_json=True)
     return text
 
 
@@ -290,7 +342,7 @@ class JsonFormatter(logging.Formatter):
         }
         for key, value in _record_fields(record).items():
             if value is not None and key not in _CORE_KEYS:
-                line[key] = value
+                line[key] = _bounded(value)
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
         exc = record.exc_text or ""
@@ -302,7 +354,7 @@ class JsonFormatter(logging.Formatter):
         # escapes newlines and C0 controls; C1 and U+2028/9 (line breaks to some
         # readers) are escaped too, so one record is one line to every reader.
         text = json.dumps(line, ensure_ascii=False, separators=(",", ":"), default=str)
-        return _JSON_UNSAFE.sub(_json_safe, text)
+        return escape_controls(text, in_json=True)
 
 
 # -- set-up -------------------------------------------------------------------

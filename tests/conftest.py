@@ -45,3 +45,13 @@ def restore_logging() -> Iterator[None]:
         for name, (old, propagate) in uvicorn.items():
             logging.getLogger(name).handlers[:] = old
             logging.getLogger(name).propagate = propagate
+
+
+@pytest.fixture
+def usual_umask() -> Iterator[None]:
+    """The umask most systems start with (022): a file made without care is then 0644."""
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)

@@ -24,6 +24,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from app.logs import (
+    FIELD_CHARS,
     UVICORN_LOGGERS,
     LogFormat,
     LogHandler,
@@ -59,6 +60,25 @@ TEXT_LINE = re.compile(
         ("ws://user:pa/ss@cs.example:80/x", "ws://user:***@cs.example:80/x"),
         ("host=db password=s3cret dbname=app", "host=db password=*** dbname=app"),
         ("host=db password='a b\\' c' dbname=app", "host=db password=*** dbname=app"),
+        # libpq's quoting, as libpq reads it: quoted with spaces, \' and \\ inside;
+        # bare up to whitespace, a backslash escaping the next character.
+        ("host=db password='s3cret Tail' user=z", "host=db password=*** user=z"),
+        ("password = 'it\\'s s3cret' user=z", "password = *** user=z"),
+        ("password='s3cret\\\\' user=z", "password=*** user=z"),
+        ("password='a\\\\\\' b' user=z", "password=*** user=z"),
+        ("password=s3cret\\ Tail user=z", "password=*** user=z"),
+        ("host=db password='s3cret Tail", "host=db password=***"),  # a quote left open
+        (
+            "sslpassword='key pass' host=db password='pw d' user=z",
+            "sslpassword=*** host=db password=*** user=z",
+        ),
+        ("PGPASSWORD='s3cret Tail' psql", "PGPASSWORD=*** psql"),
+        ('{password="s3cret Tail" user=z}', "{password=*** user=z}"),
+        # libpq's error about a bare password with a space quotes the password's tail.
+        (
+            'missing "=" after "Tail" in connection info string',
+            'missing "=" after "***" in connection info string',
+        ),
         (
             "postgres://db/app?password=s3cret&sslmode=require",
             "postgres://db/app?password=***&sslmode=require",
@@ -180,6 +200,32 @@ def test_a_client_chosen_id_cannot_forge_a_log_line(fmt: LogFormat) -> None:
         assert len(lines()) > 3  # the traceback: one line per frame, as before
     else:
         assert "\n" in json.loads(lines()[-1])["exc"]
+
+
+HUGE = "v" * (4 * 1024 * 1024)  # a v7 client's id and taskID of 4 MB (issue 43)
+CUT = "v" * FIELD_CHARS + f"…({len(HUGE)} chars)"
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+async def test_a_client_s_4_mb_id_is_cut_in_every_line(fmt: LogFormat) -> None:
+    logger, lines = _lines(fmt)
+
+    async def connection() -> None:
+        bind_log_fields({"subscriber": HUGE, "task": HUGE, "mode": "serving", "protocol": 7})
+        logger.info("subscriber connected")
+        logger.info("still pending", extra=log_extra({"pending": [HUGE, "vs-2"]}))
+
+    await asyncio.create_task(connection())
+    out = lines()
+    assert len(out) == 2
+    assert max(len(line) for line in out) < 2 * len(CUT) + 200
+    if fmt == "text":
+        assert out[0].endswith(f'subscriber="{CUT}" task="{CUT}" mode=serving protocol=7')
+        assert out[1].endswith(f"still pending pending=\"['{CUT}', 'vs-2']\"")
+    else:
+        first, second = (json.loads(line) for line in out)
+        assert (first["subscriber"], first["task"], first["protocol"]) == (CUT, CUT, 7)
+        assert second["pending"] == [CUT, "vs-2"]
 
 
 def test_a_child_s_traceback_keeps_its_lines_and_its_message_one_line() -> None:

@@ -265,6 +265,9 @@ async def run_litestream(
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        # What it writes (a restore: every replicated row) is for our user only,
+        # its temporary files too (app/private_files.py).
+        umask=0o077,
     )
     try:
         out, _ = await within(proc.communicate(), timeout_s)

@@ -16,6 +16,11 @@ transaction's commit watermark::
 every message, status included, as its canonical JSON tuple on one line
 (``["begin",{"tag":"begin"},{"commitWatermark":"02"}]``).
 
+What the server sends reaches a terminal only with its control characters spelled
+out (:func:`app.logs.escape_controls`): ``\\x1b[2J`` in a table name is printed as
+those 7 characters, a newline in a value as ``\\n``; in the JSON form C1 controls,
+DEL and U+2028/9 are ``\\u009b`` escapes (JSON already escapes C0 ones), the same value.
+
 :func:`message_printer` picks the printer: on a terminal the readable form is
 :mod:`app.client.terminal`'s table instead (same rows, in columns and colour);
 through a pipe or into a file, and for ``--json``, it is the text above, unchanged.
@@ -27,6 +32,7 @@ from typing import Protocol, TextIO
 
 from app.client.change_text import describe_change
 from app.client.subscription import SubscriptionMessage
+from app.logs import escape_controls
 from app.protocol.canonical_json import dumps
 from app.protocol.messages import Begin, Commit, Data, Rollback
 from app.protocol.subscription_messages import DownstreamStatus
@@ -58,7 +64,7 @@ class MessagePrinter:
     def write(self, message: SubscriptionMessage) -> None:
         line = self._line(message)
         if line is not None:
-            self._out.write(line + "\n")
+            self._out.write(escape_controls(line, in_json=self._json) + "\n")
             self._out.flush()
 
     def _line(self, message: SubscriptionMessage) -> str | None:

@@ -13,7 +13,9 @@ mode). Output, one section per stats group::
       subscribers: [{"id":"serving-replicator-87",...}]
 
 On a terminal each group is a table instead (:mod:`app.client.terminal`); through a
-pipe or into a file the output is the text above.
+pipe or into a file the output is the text above. Either way, and in the error
+lines, what the server sent is printed with its control characters spelled out
+(:func:`app.logs.escape_controls`).
 
 Exit codes: 0 printed; 1 refused (401), another HTTP error or no connection,
 each reported as one line on stderr; 2 a malformed URL. The options are parsed by
@@ -37,6 +39,7 @@ from typing import Any, NamedTuple, TextIO
 
 from app.client.credentials import PasswordFileError, read_password_file
 from app.client.urls import parse_base_url
+from app.logs import escape_controls
 from app.protocol.canonical_json import dumps, loads
 
 __all__ = ["format_statz", "run_status", "show_status", "status"]
@@ -79,7 +82,7 @@ def _value(value: Any) -> str:
 def format_statz(stats: Any) -> str:
     """The readable form of a ``/statz?format=json`` document (see the module docstring)."""
     if not isinstance(stats, dict):
-        return json.dumps(stats, indent=2, ensure_ascii=False) + "\n"
+        return escape_controls(json.dumps(stats, indent=2, ensure_ascii=False), in_json=True) + "\n"
     lines: list[str] = []
     for group, values in stats.items():
         lines.append(f"=== {group} ===")
@@ -87,7 +90,7 @@ def format_statz(stats: Any) -> str:
             lines.extend(f"  {key}: {_value(value)}" for key, value in values.items())
         else:
             lines.append(f"  {_value(values)}")
-    return "\n".join(lines) + "\n"
+    return "".join(escape_controls(line) + "\n" for line in lines)
 
 
 async def status(url: str, *, password: str | None, out: TextIO, err: TextIO | None = None) -> int:
@@ -106,7 +109,7 @@ def show_status(url: str, *, password: str | None, out: TextIO, err: TextIO | No
     try:
         statz_url = parse_base_url(url).http("/statz", {"format": "json"})
     except ValueError as e:
-        errors.write(f"changestreamer status: {e}\n")
+        _say(errors, str(e))
         return 2
     try:
         body = _fetch(statz_url, password)
@@ -117,14 +120,14 @@ def show_status(url: str, *, password: str | None, out: TextIO, err: TextIO | No
                 if password is not None
                 else "an admin password is required (ZERO_ADMIN_PASSWORD or --password-file)"
             )
-            errors.write(f"changestreamer status: unauthorized (HTTP 401): {hint}\n")
+            _say(errors, f"unauthorized (HTTP 401): {hint}")
         else:
-            errors.write(f"changestreamer status: {e}\n")
+            _say(errors, str(e))
         return 1
     try:
         stats = loads(body.decode())
     except ValueError:
-        errors.write("changestreamer status: /statz did not return JSON\n")
+        _say(errors, "/statz did not return JSON")
         return 1
     if out.isatty():
         from app.client.terminal import print_statz  # rich: loaded for terminals only
@@ -156,21 +159,22 @@ def run_status(
     if getattr(args, "discover", None):
         found = _discovered(args)
         if isinstance(found, _Failed):
-            errors.write(f"changestreamer status: {found.message}\n")
+            _say(errors, found.message)
             return found.code
         url = found
     password: str | None
     if args.password is not None:
-        errors.write(
-            "changestreamer status: --password shows the password to every local user "
-            "(ps); use ZERO_ADMIN_PASSWORD or --password-file\n"
+        _say(
+            errors,
+            "--password shows the password to every local user "
+            "(ps); use ZERO_ADMIN_PASSWORD or --password-file",
         )
         password = args.password
     elif args.password_file is not None:
         try:
             password = read_password_file(args.password_file)
         except PasswordFileError as e:
-            errors.write(f"changestreamer status: {e}\n")
+            _say(errors, str(e))
             return 2
     else:
         password = environ.get("ZERO_ADMIN_PASSWORD") or None
@@ -185,6 +189,12 @@ def run_status(
             return show_status(url, password=typed, out=output, err=errors)
     errors.write(quiet.getvalue())
     return code
+
+
+def _say(errors: TextIO, text: str) -> None:
+    """One line on stderr; the server's words (an HTTP reason, say) with their
+    control characters spelled out."""
+    errors.write(f"changestreamer status: {escape_controls(text)}\n")
 
 
 class _Failed(NamedTuple):

@@ -43,6 +43,7 @@ from app.client.errors import ClientError, UnauthorizedError
 from app.client.render import message_printer
 from app.client.resume import ReconnectPolicy, ResumingSubscription
 from app.client.subscription import SubscriptionContext
+from app.logs import escape_controls
 from app.protocol.messages import Commit
 from app.storage.errors import ChangeDbConfigError
 from app.storage.shard import Shard
@@ -81,7 +82,7 @@ async def tail(
     try:
         client = None if discover_db is not None else client_for(url or "")
     except ValueError as e:
-        errors.write(f"changestreamer tail: {e}\n")
+        _say(errors, str(e))
         return 2
     name = subscriber_id or f"tail-{os.getpid()}"
     printer = message_printer(out, json_output=json_output)
@@ -113,12 +114,18 @@ async def tail(
                     if limit is not None and commits >= limit:
                         break
     except UnauthorizedError as e:
-        errors.write(f"changestreamer tail: {e}\n")
+        _say(errors, str(e))
         return 2
     except ClientError as e:
-        errors.write(f"changestreamer tail: {e}\n")
+        _say(errors, str(e))
         return 1
     return 0
+
+
+def _say(errors: TextIO, text: str) -> None:
+    """One line on stderr; the server's words (an error's text, a close reason) with
+    their control characters spelled out."""
+    errors.write(f"changestreamer tail: {escape_controls(text)}\n")
 
 
 def run_tail(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -127,7 +134,7 @@ def run_tail(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
         password = replication_password(args.password_file)
         shard = Shard(args.app_id, args.shard_num)
     except (PasswordFileError, ChangeDbConfigError) as e:
-        (err if err is not None else sys.stderr).write(f"changestreamer tail: {e}\n")
+        _say(err if err is not None else sys.stderr, str(e))
         return 2
     return asyncio.run(
         tail(

@@ -15,19 +15,25 @@ width so that the rows line up::
     02             commit
 
 ``status`` prints one table per stats group.
+
+Every cell, title and value is built by :func:`_text`, which spells out control
+characters (:func:`app.logs.escape_controls`): rich passes ESC and C1 codes through.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final, TextIO
 
 from rich import box
 from rich.console import Console
+from rich.highlighter import JSONHighlighter
 from rich.table import Table
 from rich.text import Text
 
 from app.client.change_text import change_parts
 from app.client.subscription import SubscriptionMessage
+from app.logs import escape_controls
 from app.protocol.canonical_json import dumps
 from app.protocol.messages import Begin, Commit, Data, Rollback
 from app.protocol.subscription_messages import DownstreamStatus
@@ -93,10 +99,10 @@ class TableMessagePrinter:
     def _cells(watermark: str, change: str, tables: str = "", rest: str = "") -> list[Text]:
         change_style = _CHANGE_STYLES.get(change, _SCHEMA_CHANGE_STYLE)
         return [
-            Text(watermark, style=_COLUMNS[0][2]),
-            Text(change, style=change_style),
-            Text(tables, style=_COLUMNS[2][2]),
-            Text(rest),
+            _text(watermark, _COLUMNS[0][2]),
+            _text(change, change_style),
+            _text(tables, _COLUMNS[2][2]),
+            _text(rest),
         ]
 
     def _print(self, cells: list[Text]) -> None:
@@ -115,11 +121,13 @@ def print_statz(stats: Any, out: TextIO) -> None:
     not an object of groups: as indented JSON)."""
     console = Console(file=out)
     if not isinstance(stats, dict):
-        console.print_json(data=stats)
+        # Not print_json: it would parse the escaped text and write C1 controls raw again.
+        text = escape_controls(json.dumps(stats, indent=2, ensure_ascii=False), in_json=True)
+        console.print(JSONHighlighter()(Text(text, no_wrap=True)))
         return
     for group, values in stats.items():
         table = Table(
-            title=Text(str(group), style="bold"),
+            title=_text(str(group), "bold"),
             title_justify="left",
             box=box.ROUNDED,
             show_header=False,
@@ -129,15 +137,20 @@ def print_statz(stats: Any, out: TextIO) -> None:
         table.add_column(overflow="fold")
         rows = values.items() if isinstance(values, dict) else [("", values)]
         for key, value in rows:
-            table.add_row(str(key), _value(value))
+            table.add_row(_text(str(key)), _value(value))
         console.print(table)
 
 
 def _value(value: Any) -> Text:
     if isinstance(value, str):
-        return Text(value)
+        return _text(value)
     if isinstance(value, bool) or value is None:
-        return Text(dumps(value), style="italic magenta")
+        return _text(dumps(value), "italic magenta")
     if isinstance(value, int | float):
-        return Text(dumps(value), style="bold green")
-    return Text(dumps(value), style="dim")
+        return _text(dumps(value), "bold green")
+    return _text(dumps(value), "dim")
+
+
+def _text(text: str, style: str = "") -> Text:
+    """A cell of what the server sent, its control characters spelled out."""
+    return Text(escape_controls(text), style=style)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from app.private_files import create_private
 from app.protocol.canonical_json import dumps, loads
 from app.replica.errors import ReplicaError
 
@@ -169,7 +170,8 @@ def open_replica(
 ) -> sqlite3.Connection:
     """A connection to a replica file (see the module docstring for its settings).
 
-    Without ``create`` a missing file is an error instead of a new empty database.
+    Without ``create`` a missing file is an error instead of a new empty database;
+    with it, a new file is ``0600`` (``app.private_files``).
     ``checkpoints=False``: the connection never checkpoints the WAL (no
     ``wal_autocheckpoint``), because litestream backs the file up and owns its
     checkpoints (zero-cache sets the same on its backed-up replica). A checkpoint of
@@ -179,7 +181,9 @@ def open_replica(
     missing from index").
     """
     target = Path(path)
-    if not create and not target.exists():
+    if create:
+        create_private(target)  # it will hold every replicated row
+    elif not target.exists():
         raise ReplicaError(f"replica file {str(target)!r} does not exist")
     try:
         conn = sqlite3.connect(target, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)

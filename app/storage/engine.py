@@ -3,7 +3,8 @@
 SQLite (the default) gets two engines over one file in WAL mode: a writer with
 exactly one connection whose transactions start with ``BEGIN IMMEDIATE`` (the
 single writer takes the lock up front, so it never fails a lock upgrade), and a
-small pool of readers for catch-up, whose snapshots never block the writer.
+small pool of readers for catch-up, whose snapshots never block the writer. A
+new file is created ``0600`` (``app.private_files``).
 
 Postgres gets one pooled engine; every statement is routed to the shard's
 ``"<app>_<shard>/cdc"`` schema with a schema translate map, and every
@@ -25,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from app.logs import redact
+from app.private_files import create_private
 from app.storage.errors import ChangeDbConfigError
 from app.storage.shard import APPLICATION_NAME as APPLICATION_NAME
 from app.storage.shard import Shard as Shard
@@ -194,6 +196,14 @@ def _create_sqlite(url: URL, shard: Shard, opts: ChangeDbOptions) -> ChangeDb:
 
 
 def _configure_sqlite(engine: AsyncEngine, opts: ChangeDbOptions, *, begin: str) -> None:
+    database = engine.url.database
+    assert database is not None
+
+    @event.listens_for(engine.sync_engine, "do_connect")
+    def _on_do_connect(*_: Any) -> None:
+        # Before SQLite's open, which would create the file 0644: it holds every change.
+        create_private(database)
+
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
         # Let SQLAlchemy's "begin" event below issue BEGIN, instead of the sqlite3

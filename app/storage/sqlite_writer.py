@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Final
 
 from app.child_env import child_env
+from app.private_files import create_private
 from app.protocol.pieces import Pieces, Text
 from app.storage import sqlite_group
 from app.storage.errors import ChangeTooLargeError, DuplicateChangeError, StorageError
@@ -154,6 +155,7 @@ class SqliteWriterProcess:
             assert self._writer is not None
             return self._reader, self._writer
         await self._discard()
+        create_private(self._path)  # if the engines have not yet: it holds every change
         ours, theirs = socket.socketpair()
         try:
             proc = await asyncio.create_subprocess_exec(

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import stat
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -152,6 +153,7 @@ async def test_a_killed_litestream_is_restarted_and_the_backup_goes_on(
         await probe.close()
 
 
+@pytest.mark.usefixtures("usual_umask")
 async def test_restore_brings_back_the_replica_atomically(
     litestream_options: LitestreamOptions, runner: LitestreamRunner, tmp_path: Path
 ) -> None:
@@ -172,6 +174,7 @@ async def test_restore_brings_back_the_replica_atomically(
     assert not target.with_name("replica.db.restoring").exists()
     assert not litestream_state_dir(target).exists()
     assert sorted(p.name for p in target.parent.iterdir()) == ["replica.db"]  # nothing left
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600  # it holds every row
 
 
 def _children_running(needle: bytes) -> list[int]:

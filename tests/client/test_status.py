@@ -13,6 +13,7 @@ import io
 import re
 import signal
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 from app.cli import build_parser
 from app.client import run_status, status
 from app.client.status import format_statz
+from app.protocol.canonical_json import dumps
 from app.storage import Shard, create_change_db, parse_change_db_url
 from tests.change_dbs import migrated
 
@@ -262,3 +264,69 @@ async def test_with_discover_it_asks_the_owner_the_change_db_names(
     out, err = io.StringIO(), io.StringIO()
     assert await asyncio.to_thread(run_status, other, out, err, environ=env) == 1
     assert err.getvalue() == "changestreamer status: --discover: no change-streamer is running\n"
+
+
+# -- what a hostile server sends reaches the terminal spelled out --------------------
+
+# ESC [2J clears the screen, BEL rings, \x9b is C1's one-byte CSI (ESC [), a carriage
+# return overwrites the line.
+HOSTILE = "\x1b[2J\x07\x9b\r"
+SHOWN = "\\x1b[2J\\x07\\x9b\\r"
+RAW = ("\x1b", "\x07", "\x9b", "\r")
+JSON_OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json"
+HOSTILE_STATZ = dumps(
+    {f"g{HOSTILE}": {f"k{HOSTILE}": f"v{HOSTILE}\nFORGED", "list": [f"x{HOSTILE}"]}}
+).encode()
+
+
+@asynccontextmanager
+async def answering(head: bytes, body: bytes) -> AsyncIterator[str]:
+    """A stand-in that answers every request with ``head`` and ``body``; its URL."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (await reader.readline()).strip():
+            pass
+        writer.write(head + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    port = free_port()
+    async with await asyncio.start_server(handle, "127.0.0.1", port):
+        yield f"http://127.0.0.1:{port}"
+
+
+async def test_a_server_s_control_characters_are_printed_spelled_out() -> None:
+    async with answering(JSON_OK, HOSTILE_STATZ) as url:
+        out, err = io.StringIO(), io.StringIO()
+        assert await status(url, password=None, out=out, err=err) == 0
+    assert not any(c in out.getvalue() for c in RAW), repr(out.getvalue())
+    assert out.getvalue().splitlines() == [
+        f"=== g{SHOWN} ===",
+        f"  k{SHOWN}: v{SHOWN}\\nFORGED",
+        '  list: ["x\\u001b[2J\\u0007\\x9b\\r"]',
+    ]
+    assert format_statz([HOSTILE]) == '[\n  "\\u001b[2J\\u0007\\u009b\\r"\n]\n'
+
+
+async def test_a_server_s_http_reason_is_one_line_spelled_out() -> None:
+    reason = "Bad\x1b[2J\x07\x9b".encode("latin-1")  # a status line ends at \r\n
+    async with answering(b"HTTP/1.1 500 " + reason, b"") as url:
+        out, err = io.StringIO(), io.StringIO()
+        assert await status(url, password=None, out=out, err=err) == 1
+    assert err.getvalue() == "changestreamer status: HTTP 500 Bad\\x1b[2J\\x07\\x9b\n"
+
+
+async def test_on_a_terminal_the_tables_show_control_characters_spelled_out() -> None:
+    async with answering(JSON_OK, HOSTILE_STATZ) as url:
+        code, shown, err = await asyncio.to_thread(in_terminal, "status", url)
+    assert (code, err) == (0, "")
+    # rich's own colours are the only escapes; the terminal's line ends are \r\n.
+    text = ANSI.sub("", shown).replace("\r\n", "\n")
+    assert not any(c in text for c in RAW), repr(text)
+    assert f"g{SHOWN}" in text
+    rows = [line.strip("│ ").split("│") for line in text.splitlines() if line.startswith("│")]
+    assert [[cell.strip() for cell in row] for row in rows] == [
+        [f"k{SHOWN}", f"v{SHOWN}\\nFORGED"],
+        ["list", '["x\\u001b[2J\\u0007\\x9b\\r"]'],
+    ]

@@ -6,20 +6,32 @@ import asyncio
 import io
 import re
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from websockets.asyncio.server import ServerConnection
 
 from app.cli import build_parser, main
 from app.client import ChangeStreamerClient, SubscriptionContext, run_tail, tail
-from app.protocol.canonical_json import loads
+from app.protocol.canonical_json import dumps, loads
 from app.storage import Replication, Shard, create_change_db, parse_change_db_url
 from tests.change_dbs import migrated
 from tests.server.conftest import start_server
 from tests.waiting import eventually
 
-from .conftest import CLI, TIMEOUT, Server, command, command_env, in_terminal, txn
+from .conftest import (
+    CLI,
+    TIMEOUT,
+    Server,
+    StubServer,
+    command,
+    command_env,
+    in_terminal,
+    stub_server,
+    txn,
+)
 
 REL = {"schema": "public", "name": "issues", "rowKey": {"columns": ["id"]}}
 
@@ -220,3 +232,92 @@ async def test_discover_with_no_owner_gives_up_after_its_bound(tmp_path: Path) -
     code = await asyncio.wait_for(asyncio.to_thread(run_tail, args, out, err), TIMEOUT)
     assert code == 1
     assert err.getvalue() == ("changestreamer tail: discovery: no change-streamer is running\n")
+
+
+# -- what a hostile server sends reaches the terminal spelled out --------------------
+
+# ESC [2J clears the screen, BEL rings, \x9b is C1's one-byte CSI (ESC [), a carriage
+# return overwrites the line, a newline forges one.
+HOSTILE = "\x1b[2J\x07\x9b\r"
+SHOWN = "\\x1b[2J\\x07\\x9b\\r"
+RAW = ("\x1b", "\x07", "\x9b", "\r")
+HOSTILE_TXN: list[list[Any]] = [
+    ["begin", {"tag": "begin"}, {"commitWatermark": "02"}],
+    [
+        "data",
+        {
+            "tag": "insert",
+            "relation": {"schema": "s", "name": f"t{HOSTILE}", "rowKey": {"columns": ["id"]}},
+            "new": {"id": "a", f"c{HOSTILE}": f"v{HOSTILE}\nFORGED"},
+        },
+    ],
+    ["commit", {"tag": "commit"}, {"watermark": "02"}],
+]
+HOSTILE_ERROR = ["error", {"type": 1, "message": f"current replica version is {HOSTILE}01"}]
+
+
+def sending(*messages: list[Any]) -> Callable[[ServerConnection, StubServer], Awaitable[None]]:
+    """A stub change-streamer that sends ``messages`` to each subscriber."""
+
+    async def handler(ws: ServerConnection, stub: StubServer) -> None:
+        for i, message in enumerate([["status", {"tag": "status"}], *messages], 1):
+            await ws.send(dumps({"id": i, "msg": message}))
+        await ws.wait_closed()
+
+    return handler
+
+
+async def test_a_server_s_control_characters_are_printed_spelled_out() -> None:
+    async with stub_server(sending(*HOSTILE_TXN)) as stub:
+        out, err = io.StringIO(), io.StringIO()
+        code = await asyncio.wait_for(
+            tail(stub.url, replica_version="01", out=out, err=err, limit=1), TIMEOUT
+        )
+    assert (code, err.getvalue()) == (0, "")
+    assert not any(c in out.getvalue() for c in RAW), repr(out.getvalue())
+    assert out.getvalue().splitlines() == [
+        "begin 02",
+        f'02  insert s.t{SHOWN} {{"id":"a","c\\u001b[2J\\u0007\\x9b\\r":'
+        f'"v\\u001b[2J\\u0007\\x9b\\r\\nFORGED"}}',
+        "commit 02",
+    ]
+
+
+async def test_in_json_the_control_characters_are_escapes_of_the_same_value() -> None:
+    async with stub_server(sending(*HOSTILE_TXN)) as stub:
+        out, err = io.StringIO(), io.StringIO()
+        code = await asyncio.wait_for(
+            tail(stub.url, replica_version="01", json_output=True, out=out, err=err, limit=1),
+            TIMEOUT,
+        )
+    assert (code, err.getvalue()) == (0, "")
+    assert not any(c in out.getvalue() for c in RAW), repr(out.getvalue())
+    assert [loads(line) for line in out.getvalue().splitlines()[1:]] == HOSTILE_TXN
+
+
+async def test_a_server_s_error_text_is_one_line_spelled_out() -> None:
+    async with stub_server(sending(HOSTILE_ERROR)) as stub:
+        out, err = io.StringIO(), io.StringIO()
+        code = await asyncio.wait_for(
+            tail(stub.url, replica_version="01", out=out, err=err, limit=1), TIMEOUT
+        )
+    assert code == 1
+    assert err.getvalue() == (
+        f"changestreamer tail: WrongReplicaVersion: current replica version is {SHOWN}01\n"
+    )
+
+
+async def test_on_a_terminal_the_table_shows_control_characters_spelled_out() -> None:
+    async with stub_server(sending(*HOSTILE_TXN)) as stub:
+        code, shown, err = await asyncio.wait_for(
+            asyncio.to_thread(
+                in_terminal, "tail", stub.url, "--replica-version", "01", "--limit", "1"
+            ),
+            TIMEOUT,
+        )
+    assert (code, err) == (0, "")
+    # rich's own colours are the only escapes; the terminal's line ends are \r\n.
+    text = re.sub(r"\x1b\[[0-9;]*m", "", shown).replace("\r\n", "\n")
+    assert not any(c in text for c in RAW), repr(text)
+    rows = [line.split() for line in text.splitlines()]
+    assert rows[2][:3] == ["02", "insert", f"s.t{SHOWN}"], rows

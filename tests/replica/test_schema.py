@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import stat
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,28 @@ def test_an_older_replica_schema_is_refused(tmp_path: Path) -> None:
     conn.execute('UPDATE "_zero.versionHistory" SET minSafeVersion = 1')
     check_schema_version(conn)  # a newer layout that still allows v13 code
     conn.close()
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.usefixtures("usual_umask")
+def test_a_new_replica_and_its_wal_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "replica.db"
+    conn = open_replica(path, create=True)
+    try:
+        init_replica(conn, "01", ["zero_data"])
+        wal, shm = Path(f"{path}-wal"), Path(f"{path}-shm")
+        assert (mode(path), mode(wal), mode(shm)) == (0o600, 0o600, 0o600)
+    finally:
+        conn.close()
+
+
+@pytest.mark.usefixtures("usual_umask")
+def test_a_replica_file_that_is_there_keeps_the_mode_its_operator_gave_it(tmp_path: Path) -> None:
+    path = tmp_path / "replica.db"
+    path.touch()
+    path.chmod(0o640)
+    new_replica(path)
+    assert mode(path) == 0o640

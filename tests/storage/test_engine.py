@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from sqlalchemy import text
 
-from app.storage import ChangeDb, ChangeDbConfigError, Shard, parse_change_db_url
+from app.storage import (
+    ChangeDb,
+    ChangeDbConfigError,
+    ChangeDbOptions,
+    Shard,
+    create_change_db,
+    migrate,
+    parse_change_db_url,
+)
 from app.storage.engine import APPLICATION_NAME, describe_url
 
 
@@ -111,3 +121,34 @@ async def test_sqlite_readers_come_back_to_the_pool_outside_any_transaction(
     finally:
         for r in conns:
             await r.close()
+
+
+@pytest.mark.usefixtures("usual_umask")
+@pytest.mark.parametrize("writer", ["process", "thread"])
+async def test_a_new_sqlite_change_db_and_its_wal_are_readable_by_their_owner_only(
+    tmp_path: Path, writer: Literal["process", "thread"]
+) -> None:
+    path = tmp_path / "cdc.db"
+    db = create_change_db(
+        parse_change_db_url(str(path)), Shard(), ChangeDbOptions(sqlite_writer=writer)
+    )
+    try:
+        await migrate(db)
+        async with db.reader.connect() as conn:
+            assert await conn.scalar(text("SELECT count(*) FROM changeLog")) == 0
+            files = [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
+            assert [stat.S_IMODE(f.stat().st_mode) for f in files] == [0o600] * 3
+    finally:
+        await db.dispose()
+
+
+@pytest.mark.usefixtures("usual_umask")
+async def test_the_writer_process_makes_a_missing_change_db_file_0600_too(tmp_path: Path) -> None:
+    path = tmp_path / "cdc.db"
+    db = create_change_db(parse_change_db_url(str(path)), Shard())
+    try:
+        assert db.sqlite_writer is not None
+        await db.sqlite_writer.start()  # before any engine connected
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    finally:
+        await db.dispose()
