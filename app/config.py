@@ -208,6 +208,12 @@ class Settings(BaseModel):
     allowed_origins: list[str] = Field(
         default_factory=list, validation_alias=_env("CHANGESTREAMER_ALLOWED_ORIGINS")
     )
+    # Host names the admin pages answer while they are open without a password
+    # (development mode): besides localhost, the loopback addresses and this node's
+    # own; a DNS-rebinding page sends its own name.
+    allowed_hosts: list[str] = Field(
+        default_factory=list, validation_alias=_env("CHANGESTREAMER_ALLOWED_HOSTS")
+    )
     # If set, replication upgrades need it as the HTTP Basic password (any user
     # name; zero-cache sends it from ZERO_CHANGE_STREAMER_URI's user info), else 401.
     replication_password: str | None = Field(
@@ -349,7 +355,9 @@ class Settings(BaseModel):
             return self.backup_wedged_after_s
         return max(MIN_DEFAULT_WEDGED_AFTER_S, 2 * self.backup_interval_s)
 
-    @field_validator("app_publications", "trusted_proxies", "allowed_origins", mode="before")
+    @field_validator(
+        "app_publications", "trusted_proxies", "allowed_origins", "allowed_hosts", mode="before"
+    )
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         # Zero accepts a JSON array or a comma-separated list.
@@ -369,6 +377,14 @@ class Settings(BaseModel):
                     f"{origin!r} is not an origin (scheme://host[:port], as browsers send it)"
                 )
         return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _check_hosts(cls, value: list[str]) -> list[str]:
+        for host in value:
+            if not re.fullmatch(r"[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:]+", host):
+                raise ValueError(f"{host!r} is not a host name or address (no port, no scheme)")
+        return [host.lower() for host in value]
 
     @field_validator("replication_password", mode="before")
     @classmethod

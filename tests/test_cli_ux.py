@@ -161,7 +161,7 @@ async def test_a_second_ctrl_c_during_the_shutdown_exits_at_once_with_one_line(
 ) -> None:
     # A 60-second /profz keeps the graceful shutdown waiting (for up to the 60 s above).
     _, profiling = await asyncio.open_connection("127.0.0.1", serve.port)
-    profiling.write(b"GET /profz?seconds=60 HTTP/1.1\r\nHost: serve\r\n\r\n")
+    profiling.write(b"GET /profz?seconds=60 HTTP/1.1\r\nHost: localhost\r\n\r\n")
     await profiling.drain()
     try:
         # Answered after the server read the request above, which came first.

@@ -471,3 +471,14 @@ def test_env_example_lists_every_setting_and_loads_as_a_dot_env(tmp_path: Path) 
     assert names == SETTING_NAMES
     # Copied to .env as it is, it changes nothing: its values are the defaults.
     assert load_settings(environ={}, env_file=example) == load({})
+
+
+def test_allowed_hosts_are_host_names_and_a_url_is_one_line() -> None:
+    assert load({"CHANGESTREAMER_ALLOWED_HOSTS": "Node-1.internal, [fd00::1]"}).allowed_hosts == [
+        "node-1.internal",
+        "[fd00::1]",
+    ]
+    refusal_line = refused({"CHANGESTREAMER_ALLOWED_HOSTS": "https://node-1:4849"})
+    assert "CHANGESTREAMER_ALLOWED_HOSTS" in refusal_line
+    assert "is not a host name or address (no port, no scheme)" in refusal_line
+    assert "\n" not in refusal_line

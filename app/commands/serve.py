@@ -21,6 +21,7 @@ import socket
 import sys
 from types import FrameType
 from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
 
@@ -251,7 +252,7 @@ def _serve_once(
         db,
         service_factory=build_service,
         lifecycle=lifecycle,
-        auth=_admin_auth(settings),
+        auth=_admin_auth(settings, listen_host),
         keepalive_timeout_s=(settings.keepalive_timeout_ms or 0) / 1000 or None,
         on_keepalive_expired=shut_down,
         connection_limits=http_protocol.limits,
@@ -290,7 +291,10 @@ def _serve_retired(
     )
     http_protocol = _http_protocol(settings)
     app = create_app(
-        db, auth=_admin_auth(settings), connection_limits=http_protocol.limits, lifecycle=lifecycle
+        db,
+        auth=_admin_auth(settings, host),
+        connection_limits=http_protocol.limits,
+        lifecycle=lifecycle,
     )
     _Server(_uvicorn_config(settings, app, http_protocol, host, port)).run()
     return 0
@@ -306,8 +310,23 @@ def _http_protocol(settings: Settings) -> type[GuardedHttpProtocol]:
     )
 
 
-def _admin_auth(settings: Settings) -> AdminAuth:
-    return AdminAuth(settings.admin_password, settings.operator_password, settings.development)
+def _admin_auth(settings: Settings, host: str) -> AdminAuth:
+    """The admin pages' passwords; open without one, they answer only the loopback
+    names, this node's own (``host`` it listens on, the address it advertises) and
+    ``CHANGESTREAMER_ALLOWED_HOSTS``."""
+    advertised = discovery_address(settings, host, 0)
+    if "://" not in advertised:
+        advertised = f"//{advertised}"
+    own = [host, urlsplit(advertised).hostname or ""]
+    return AdminAuth(
+        settings.admin_password,
+        settings.operator_password,
+        settings.development,
+        allowed_hosts=[h for h in (*own, *settings.allowed_hosts) if h and h not in _WILDCARDS],
+    )
+
+
+_WILDCARDS = ("0.0.0.0", "::")
 
 
 def _uvicorn_config(

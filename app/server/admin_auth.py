@@ -15,7 +15,8 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response
@@ -169,8 +170,12 @@ class AdminAuth:
         development: bool,
         *,
         backoff: LoginBackoff | None = None,
+        allowed_hosts: Iterable[str] = (),
     ) -> None:
+        """``allowed_hosts``: host names besides the loopback ones that the pages
+        answer while they are open without a password (``_host_allowed``)."""
         self._admin = admin_password.encode() if admin_password else None
+        self._hosts = LOOPBACK_HOSTS | {_bare(h) for h in allowed_hosts}
         self._operator = operator_password.encode() if operator_password else None
         self._development = development
         self._warned = False
@@ -209,6 +214,15 @@ class AdminAuth:
     async def denial(self, request: Request, realm: str, role: Role) -> Response | None:
         """None if ``request`` may proceed, else the 401, or the 429 for a password
         its address must wait to have checked (it was not checked)."""
+        if self._admin is None and self._development and not self._host_allowed(request):
+            # Open pages and a browser: a page of any site whose name resolves to this
+            # address (DNS rebinding) would read them with the browser's blessing. The
+            # Host header it sends is its own name.
+            return PlainTextResponse(
+                "Host not allowed: the admin pages are open without a password, so they "
+                "answer only localhost, the loopback addresses and CHANGESTREAMER_ALLOWED_HOSTS",
+                status_code=403,
+            )
         authorization = request.headers.get("authorization")
         if authorization is None:  # a challenge-less first request is no guess
             return None if self.granted(None, role) is not None else _challenge(realm)
@@ -228,12 +242,28 @@ class AdminAuth:
         self.backoff.succeeded(address, granted.value)
         return None
 
+    def _host_allowed(self, request: Request) -> bool:
+        host = request.headers.get("host")
+        if host is None:  # HTTP/1.0: no browser sends that
+            return True
+        return _bare(host.rsplit(":", 1)[0] if not host.endswith("]") else host) in self._hosts
+
     def _secrets(self, role: Role) -> tuple[str, ...]:
         """The passwords a guess at an endpoint requiring ``role`` may find: the
         admin password opens the operator's endpoints too."""
         if role is Role.OPERATOR and self._operator is not None:
             return (Role.ADMIN.value, Role.OPERATOR.value)
         return (Role.ADMIN.value,)
+
+
+# Host names the open admin pages always answer.
+LOOPBACK_HOSTS: Final = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def _bare(host: str) -> str:
+    """A host name as compared: lower case, an IPv6 address without its brackets."""
+    host = host.strip().lower()
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def _challenge(realm: str) -> Response:

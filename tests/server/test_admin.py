@@ -393,6 +393,45 @@ async def test_development_mode_without_a_password_is_open_and_warns_once(
     assert len(warnings) == 1
 
 
+async def test_open_pages_answer_only_their_own_host_names() -> None:
+    # A DNS-rebinding page (its name resolving to 127.0.0.1) sends its own name as the
+    # Host; the open pages would give it /statz, /profz and /heapz.
+    auth = AdminAuth(None, None, development=True, allowed_hosts=["Node-1.Internal"])
+    async with serve(admin_app(auth)) as url:
+        port = url.rsplit(":", 1)[1]
+        answers = {
+            host: (await http_get(url + "/statz", {"Host": host})).status
+            for host in (
+                f"evil.example:{port}",
+                "evil.example",
+                f"localhost:{port}",
+                f"127.0.0.1:{port}",
+                f"[::1]:{port}",
+                "[::1]",
+                f"node-1.internal:{port}",
+                f"127.0.0.1.evil.example:{port}",
+            )
+        }
+        profile = await http_get(url + "/profile?seconds=1", {"Host": "evil.example"})
+    assert answers == {
+        f"evil.example:{port}": 403,
+        "evil.example": 403,
+        f"localhost:{port}": 200,
+        f"127.0.0.1:{port}": 200,
+        f"[::1]:{port}": 200,
+        "[::1]": 200,
+        f"node-1.internal:{port}": 200,
+        f"127.0.0.1.evil.example:{port}": 403,
+    }
+    assert profile.status == 403
+    # With a password the Host is not the guard (a rebinding page has no password).
+    async with serve(admin_app(PRODUCTION)) as url:
+        evil = await http_get(
+            url + "/statz", {"Host": "evil.example", "Authorization": basic(ADMIN)}
+        )
+    assert evil.status == 200
+
+
 async def test_without_an_admin_password_outside_development_everything_is_denied() -> None:
     auth = AdminAuth(None, OPERATOR, development=False)
     async with serve(admin_app(auth)) as url:
