@@ -173,6 +173,12 @@ class Settings(BaseModel):
     max_subscribers: int = Field(
         1000, gt=0, validation_alias=_env("CHANGESTREAMER_MAX_SUBSCRIBERS")
     )
+    # Replication sockets one client address may hold at once (more get 503): one
+    # address cannot take the subscriber limit from everyone else. View-syncers
+    # behind one address (a NAT, a proxy) need one or two each.
+    max_sockets_per_address: int = Field(
+        100, gt=0, validation_alias=_env("CHANGESTREAMER_MAX_SOCKETS_PER_ADDRESS")
+    )
     # Connections whose request has not fully arrived: at most this many at once
     # (more get 503), each for at most this long (then 408).
     max_pending_handshakes: int = Field(

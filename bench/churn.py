@@ -330,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         "print /heapz to stderr: what the flood allocated and serve still holds",
     )
     args = parser.parse_args(argv)
-    demo = {"CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND": str(args.demo_rate)}
+    demo = {
+        "CHANGESTREAMER_DEMO_TRANSACTIONS_PER_SECOND": str(args.demo_rate),
+        # Every connection comes from this host: the subscriber limit is what is measured.
+        "CHANGESTREAMER_MAX_SOCKETS_PER_ADDRESS": str(10 * args.flood),
+    }
     if args.heap_window:
         os.environ[PASSWORD_ENV] = demo["ZERO_ADMIN_PASSWORD"] = "bench-churn"
     with (

@@ -32,6 +32,7 @@ def streamer_options(settings: Settings, *, backup_path: str | None = None) -> S
         slow_subscriber_grace_s=settings.slow_subscriber_grace_s,
         max_unconsumed_bytes=settings.subscriber_max_unacked_bytes,
         max_subscribers=settings.max_subscribers,
+        max_sockets_per_address=settings.max_sockets_per_address,
         allowed_origins=tuple(settings.allowed_origins),
         replication_password=settings.replication_password,
         max_reservations=settings.max_reservations,

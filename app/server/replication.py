@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from fastapi import APIRouter, WebSocket
 from starlette.responses import PlainTextResponse
@@ -37,6 +38,8 @@ from app.streamer.service import (
     TooManySubscribers,
 )
 from app.versions import MAX_PROTOCOL_VERSION, MIN_PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
 
 # ASCII digits only: \d would also take "v٦" (an Arabic-Indic six) as v6. At most 9,
 # so that int() of them cannot fail (it refuses more than 4300 digits).
@@ -244,9 +247,57 @@ def router(
                 with contextlib.suppress(asyncio.CancelledError):
                     await relay
 
+    per_address = AddressCounts()
+
+    def counted(
+        handler: Callable[[WebSocket], Awaitable[None]],
+    ) -> Callable[[WebSocket], Awaitable[None]]:
+        async def endpoint(websocket: WebSocket) -> None:
+            address = websocket.client.host if websocket.client is not None else ""
+            limit = get_service().options.max_sockets_per_address
+            if not per_address.enter(address, limit):
+                await _deny(websocket, 503, f"at most {limit} sockets from one address", {})
+                return
+            try:
+                await handler(websocket)
+            finally:
+                per_address.exit(address)
+
+        return endpoint
+
     for name, endpoint in (("changes", changes), ("subscribe", subscribe), ("snapshot", snapshot)):
-        routes.add_websocket_route(f"/replication/{{version}}/{name}", endpoint)
+        routes.add_websocket_route(f"/replication/{{version}}/{name}", counted(endpoint))
     return routes
+
+
+class AddressCounts:
+    """The replication sockets each client address holds (entries removed at 0)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._refused_logged: set[str] = set()
+
+    def enter(self, address: str, limit: int) -> bool:
+        held = self._counts.get(address, 0)
+        if held >= limit:
+            if address not in self._refused_logged and len(self._refused_logged) < _LOGGED:
+                self._refused_logged.add(address)  # once per address (bounded)
+                log.warning("refusing sockets from %s: it holds %d (the limit)", address, held)
+            return False
+        self._counts[address] = held + 1
+        return True
+
+    def exit(self, address: str) -> None:
+        held = self._counts.get(address, 0) - 1
+        if held > 0:
+            self._counts[address] = held
+        else:
+            self._counts.pop(address, None)
+            self._refused_logged.discard(address)
+
+
+# Addresses whose refusal is logged (once each), at most.
+_LOGGED = 1024
 
 
 async def _relay(reservation: Reservation, downstream: Downstream) -> None:

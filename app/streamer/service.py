@@ -135,6 +135,8 @@ class StreamerOptions:
     # stopped reading); it can resume from the change log.
     max_unconsumed_bytes: int = DEFAULT_MAX_UNCONSUMED_BYTES
     max_subscribers: int = 1000
+    # Replication sockets one client address may hold at once (app/server/replication.py).
+    max_sockets_per_address: int = 100
     # A ``/v7/subscribe`` socket that sends no ``start-subscription`` or
     # ``reserve-snapshot`` within this long is closed (it would hold a slot for ever).
     first_message_timeout_s: float = 30.0
