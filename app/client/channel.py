@@ -12,6 +12,8 @@ holding what the end means to a caller (:func:`classify_close`):
 
 * close 1000, 1001 or 1005 (no status) → a clean end (``error is None``);
 * close 1002 → :class:`ProtocolError` with the server's reason;
+* a frame over ``max_message_bytes`` → :class:`InvalidMessageError`, at the frame's
+  header: the connection is aborted there, its payload never read;
 * anything else (1006 / no close frame, 1011, …) → :class:`ConnectionLostError`.
 """
 
@@ -23,7 +25,13 @@ import logging
 from typing import Final
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.exceptions import (
+    ConnectionClosed,
+    InvalidHandshake,
+    InvalidStatus,
+    InvalidURI,
+    PayloadTooBig,
+)
 from websockets.protocol import Event
 
 from app.client.errors import (
@@ -86,13 +94,26 @@ class ChannelEnded(Exception):
 
 
 class _Connection(ClientConnection):
-    """A client connection that records when the last frame of any kind arrived."""
+    """A client connection that records when the last frame of any kind arrived,
+    and ends at the header of a frame over ``max_size``."""
 
     last_activity: float
 
     def process_event(self, event: Event) -> None:
         self.last_activity = self.loop.time()
         super().process_event(event)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # websockets refuses a frame over max_size at its header and sends 1009, but a
+        # client then waits for the server to close the TCP connection, reading (and
+        # discarding) what comes: a server streaming a 150 MiB frame kept us reading
+        # it, then waiting for the liveness timeout. Aborting reads nothing past this
+        # read. ``protocol.parser_exc`` is a websockets internal (what stopped its
+        # parser; ``ConnectionClosed`` chains it only once closed), as in websockets
+        # 17, which pyproject.toml pins.
+        if isinstance(self.protocol.parser_exc, PayloadTooBig):
+            self.transport.abort()
 
 
 def classify_close(exc: ConnectionClosed, *, liveness_expired: float | None = None) -> ChannelEnded:
@@ -102,6 +123,10 @@ def classify_close(exc: ConnectionClosed, *, liveness_expired: float | None = No
             ConnectionLostError(
                 f"no ping or message from the change-streamer for {liveness_expired:g} s"
             )
+        )
+    if isinstance(exc.__cause__, PayloadTooBig):  # what stopped websockets' parser
+        return ChannelEnded(
+            InvalidMessageError(f"refused a frame from the change-streamer: {exc.__cause__}")
         )
     rcvd = exc.rcvd
     if rcvd is None:

@@ -21,9 +21,15 @@ payloads — goes to uvicorn's path untouched, so every protocol rule and error 
 way in is still the library's.
 
 Control frames are bounded like data: a client gets a burst of pings and pongs and a
-rate (``CONTROL_BURST``, ``CONTROL_PER_S``); past it, it is closed with 1008. Below it,
-a read's pings get one pong (the latest), and none while the socket's write buffer is
-over its high-water mark, so a peer that pings without reading queues nothing.
+rate (``CONTROL_BURST``, ``CONTROL_PER_S``); past it, it is closed with 1008, or, if a
+close is already under way (or the handshake is not done), its connection is aborted:
+a flooder is parsed no further in any state. Below it, a read's pings get one pong (the
+latest), and none while the socket's write buffer is over its high-water mark, so a
+peer that pings without reading queues nothing.
+
+A frame whose header announces more than ``ws_max_size`` is refused at the header
+(websockets raises there): the connection reads nothing more, the rest of that read
+is dropped, and the close frame (1009) goes out only if the socket takes it at once.
 
 This leans on uvicorn's sans-I/O implementation's attributes (``conn``, ``queue``,
 ``read_paused``, ``pending_ping_payload``, ``pong_timer``, ``schedule_ping``,
@@ -263,7 +269,7 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         websockets queues a pong for every ping as it parses, so a chunk of pings is
         already a list of pongs in ``conn.writes``; uvicorn writes them all, past the
         socket's write-buffer bound that data respects. Here: a client over its
-        control allowance is closed with 1008; otherwise only the last pong of the
+        control allowance is ended (``_end_flooder``); otherwise only the last pong of the
         chunk is sent (RFC 6455 §5.5.3 allows answering only the latest ping), and
         none while the socket's buffer is over its high-water mark (a peer that does
         not read gets no pong queued for it)."""
@@ -283,8 +289,8 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
                 conn.writes = [w for w in conn.writes if not (w[:1] and w[0] == _PONG_FIRST_BYTE)]
                 if keep is not None:
                     conn.writes.insert(0, keep)
-            if not self._charge_control(control) and conn.state is State.OPEN:
-                self._close_flooder()
+            if not self._charge_control(control):
+                self._end_flooder()
                 return
         super().handle_events()
 
@@ -300,31 +306,52 @@ class LivenessProtocol(WebSocketsSansIOProtocol):
         self._control_tokens -= frames
         return self._control_tokens >= 0
 
-    def _close_flooder(self) -> None:
-        """Closes a control-frame flooder with 1008; what it sent is dropped (its
-        events never reach the app), and if it does not read either, so is what was
-        buffered for it: the connection is aborted rather than flushed."""
+    def _end_flooder(self) -> None:
+        """Ends a control-frame flooder's connection, reading nothing more from it;
+        what it sent is dropped (its events never reach the app). Open: closed with
+        1008, the close frame flushed if the socket takes it, else (the flooder does
+        not read either) aborted with what was buffered for it. Closing already (the
+        close frame was sent; its close timer would keep the socket read for
+        seconds) or still in the handshake: aborted."""
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        conn = self.conn
+        is_open = conn.state is State.OPEN
         log.info(
-            "closing a websocket from %s: more than %d control frames (pings, pongs) "
+            "%s a websocket from %s: more than %d control frames (pings, pongs) "
             "at once or %g a second",
+            "closing" if is_open else "aborting",
             client,
             CONTROL_BURST,
             CONTROL_PER_S,
         )
-        conn = self.conn
         conn.events_received()  # dropped
         conn.data_to_send()  # dropped
-        conn.fail(1008, "too many control frames")
         self.stop_keepalive()
-        self.queue.put_nowait(
-            {"type": "websocket.disconnect", "code": 1008, "reason": "too many control frames"}
-        )
-        self.transport.write(b"".join(conn.data_to_send()))
+        if is_open:
+            conn.fail(1008, "too many control frames")
+            self.queue.put_nowait(
+                {"type": "websocket.disconnect", "code": 1008, "reason": "too many control frames"}
+            )
+            self.transport.write(b"".join(conn.data_to_send()))
         self.close_sent = True
-        if self.writable.is_set():
-            self.transport.close()
+        if is_open and self.writable.is_set():
+            self.transport.close()  # stops the reads at once; _BoundedClose bounds the flush
         else:
+            self.transport.abort()
+
+    def handle_parser_exception(self) -> None:
+        """websockets stopped parsing this client's data (a frame over ``ws_max_size``,
+        refused at its header, or another protocol error), queued its close frame if
+        the state let it, and drops the rest of the read. uvicorn writes that frame
+        and closes, which stops the reads; here a socket that takes no frames now is
+        aborted instead, and so is one still in the handshake, with no close frame to
+        send (uvicorn asserted there was one: a traceback at ERROR for each)."""
+        if self.conn.state is State.CONNECTING:
+            self.close_sent = True
+            self.transport.abort()  # the app hears of it from connection_lost
+            return
+        super().handle_parser_exception()
+        if not self.writable.is_set():
             self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -10,24 +10,33 @@ import asyncio
 import base64
 import logging
 import os
+import struct
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
 from uvicorn.logging import AccessFormatter
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from app.protocol.lexi import to_lexi
 from app.server.admission import HandshakeAdmission
+from app.server.app import create_app
 from app.server.http_protocol import GuardedHttpProtocol
 from app.server.log_lines import LineLimit
+from app.server.transport import MAX_CLIENT_FRAME_BYTES
+from app.server.ws_protocol import LivenessProtocol
 
 from ..waiting import eventually
-from .conftest import Server, start_server
-from .test_replication_ws import txn
+from .conftest import Server, free_port, new_service, start_server
+from .test_replication_ws import QUERY, txn
 from .test_robustness import follow
+from .test_ws_control_bounds import raw_upgrade, read_frame
 
 BASE = "/replication/v6/changes?replicaVersion=01&watermark=01"
 
@@ -200,6 +209,114 @@ async def test_subscribers_beyond_the_limit_are_refused_with_the_reason(tmp_path
             )
             async with connect(f"{server.url}{BASE}&id=d") as d:
                 assert "status" in str(await asyncio.wait_for(d.recv(), 10))
+
+
+# A frame header may announce up to 2**63 bytes; this one announces 150 MiB, against
+# the server's 64 KiB (MAX_CLIENT_FRAME_BYTES).
+HUGE = 150 * 1024 * 1024
+
+
+async def stream_huge_frame(writer: asyncio.StreamWriter) -> int:
+    """Writes a masked text frame header announcing ``HUGE`` bytes, then the payload,
+    1 MiB a write, until the server drops the connection; returns how much of the
+    payload the connection took (the kernel's socket buffers included)."""
+    writer.write(struct.pack("!BBQ", 0x81, 0x80 | 127, HUGE) + os.urandom(4))
+    chunk = bytes(1 << 20)
+    taken = 0
+    try:
+        while taken < HUGE:
+            writer.write(chunk)
+            await writer.drain()
+            taken += len(chunk)
+    except ConnectionError:
+        pass
+    return taken
+
+
+def websocket_protocols(server: Server) -> list[LivenessProtocol]:
+    return [c for c in server.http.server_state.connections if isinstance(c, LivenessProtocol)]
+
+
+async def test_a_frame_over_the_limit_is_refused_at_its_header_unread(server: Server) -> None:
+    reader, writer = await raw_upgrade(server, f"/replication/v6/changes?{QUERY}")
+    try:
+        opcode, _ = await read_frame(reader)  # the status message
+        assert opcode == 1
+        [protocol] = websocket_protocols(server)
+        taken = await asyncio.wait_for(stream_huge_frame(writer), 30)
+    finally:
+        writer.close()
+    # The server read no further than the read that held the header: the rest of
+    # the payload did not fit in the sockets' buffers (a few MiB) before it was dropped...
+    assert taken < HUGE // 4, f"{taken >> 20} MiB of the payload were taken"
+    # ...and kept nothing of what that read held past the header (websockets' parser
+    # buffer: bytes received and not yet parsed).
+    assert not protocol.conn.reader.buffer
+    await eventually(lambda: server.connections() == 0, "the connection gone")
+
+
+@dataclass
+class GatedServer:
+    """A server whose websocket handshakes wait, before the app sees them, until
+    ``release`` is set (``entered`` is set when one does)."""
+
+    port: int
+    entered: asyncio.Event
+    release: asyncio.Event
+    http: uvicorn.Server
+
+
+@asynccontextmanager
+async def gated_server(tmp_path: Path) -> AsyncIterator[GatedServer]:
+    db, _, service = await new_service(tmp_path)
+    app = create_app(db, service)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def gated(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            entered.set()
+            await release.wait()
+        await app(scope, receive, send)
+
+    port = free_port()
+    config = uvicorn.Config(
+        gated,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        ws_max_size=MAX_CLIENT_FRAME_BYTES,
+        ws=LivenessProtocol.with_queue_limit(64 * 1024),
+    )
+    http = uvicorn.Server(config)
+    serving = asyncio.create_task(http.serve())
+    await eventually(lambda: http.started, "uvicorn to start", 20)
+    try:
+        yield GatedServer(port, entered, release, http)
+    finally:
+        release.set()
+        http.should_exit = True
+        await asyncio.wait_for(serving, 20)
+
+
+async def test_a_frame_over_the_limit_during_the_handshake_is_refused_without_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with gated_server(tmp_path) as gated:
+        _, writer = await asyncio.open_connection("127.0.0.1", gated.port)
+        try:
+            writer.write(upgrade(f"/replication/v6/changes?{QUERY}"))
+            await asyncio.wait_for(gated.entered.wait(), 10)
+            # The upgrade is parsed, not answered: the frame comes mid-handshake.
+            taken = await asyncio.wait_for(stream_huge_frame(writer), 30)
+        finally:
+            writer.close()
+        assert taken < HUGE // 4, f"{taken >> 20} MiB of the payload were taken"
+        await eventually(lambda: not gated.http.server_state.connections, "the connection gone")
+        gated.release.set()
+        await eventually(lambda: not gated.http.server_state.tasks, "the app to end")
+    bad = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert bad == [], [r.getMessage() for r in bad]
 
 
 def test_long_request_paths_are_cut_in_access_lines() -> None:
