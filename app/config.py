@@ -179,6 +179,15 @@ class Settings(BaseModel):
     max_sockets_per_address: int = Field(
         100, gt=0, validation_alias=_env("CHANGESTREAMER_MAX_SOCKETS_PER_ADDRESS")
     )
+    # A subscriber connected for longer than this that is further behind the change
+    # log's head than this, or than the bytes below, no longer holds the purge floor:
+    # it is dropped (it may resume, or learn that its watermark is too old).
+    subscriber_max_lag_s: FiniteFloat = Field(
+        3600.0, gt=0, validation_alias=_env("CHANGESTREAMER_SUBSCRIBER_MAX_LAG_SECONDS")
+    )
+    subscriber_max_lag_bytes: int = Field(
+        4 * 1024**3, gt=0, validation_alias=_env("CHANGESTREAMER_SUBSCRIBER_MAX_LAG_BYTES")
+    )
     # Connections whose request has not fully arrived: at most this many at once
     # (more get 503), each for at most this long (then 408).
     max_pending_handshakes: int = Field(

@@ -73,14 +73,18 @@ class BackupWatch:
         self.listeners: list[Callable[[str], None]] = []
         self.commit_clock = CommitClock(retention_s, clock) if retention_s > 0 else None
         self._clock = clock
-        self._durable_at: deque[tuple[str, float]] = deque(maxlen=DURABLE_HISTORY)
+        # (commit watermark, when it became durable, change-log bytes stored up to it)
+        self._durable_at: deque[tuple[str, float, int]] = deque(maxlen=DURABLE_HISTORY)
+        self._durable_bytes = 0
         self._active = False  # listeners hear of watermarks (this task owns the log)
         self._covered = asyncio.Event()
         self._check_covered()
 
-    def on_durable(self, watermark: str) -> None:
-        """The storer made the commit at ``watermark`` durable."""
-        self._durable_at.append((watermark, self._clock()))
+    def on_durable(self, watermark: str, stored_bytes: int = 0) -> None:
+        """The storer made the commit at ``watermark`` durable, having stored
+        ``stored_bytes`` of change text in all so far."""
+        self._durable_bytes = stored_bytes
+        self._durable_at.append((watermark, self._clock(), stored_bytes))
         if self.commit_clock is not None:
             self.commit_clock.record(watermark)
 
@@ -156,6 +160,14 @@ class BackupWatch:
             return 0.0
         return max(0.0, self._clock() - history[after][1])
 
+    def bytes_after(self, watermark: str) -> int:
+        """Change-log bytes stored after ``watermark`` (at least that many when it is
+        older than the commits remembered)."""
+        history = self._durable_at
+        at = bisect.bisect_right(history, watermark, key=_watermark_of)
+        before = history[at - 1][2] if at else (history[0][2] if history else 0)
+        return self._durable_bytes - before
+
     def last_commit_age_s(self) -> float | None:
         """Seconds since the newest commit became durable (None before the first)."""
         if not self._durable_at:
@@ -178,5 +190,5 @@ class BackupWatch:
             await self.state.stop()
 
 
-def _watermark_of(entry: tuple[str, float]) -> str:
+def _watermark_of(entry: tuple[str, float, int]) -> str:
     return entry[0]

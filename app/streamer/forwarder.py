@@ -134,6 +134,10 @@ class Forwarder:
         """``(subscriber id, acked watermark)`` of every subscriber, for the purge floor."""
         return [(s.id, s.acked) for s in (*self.active, *self.queued)]
 
+    def joined(self) -> list[tuple[Subscriber, float]]:
+        """Every subscriber with when it joined (monotonic)."""
+        return [(s, self._rates[s].first_sent) for s in (*self.active, *self.queued)]
+
     # -- forwarding ---------------------------------------------------------
 
     def forward(
@@ -280,7 +284,7 @@ class Forwarder:
                 sub.lagging_since = now
             elif now - sub.lagging_since >= self._grace_s:
                 lagged_ms = round((now - sub.lagging_since) * 1000)
-                self._drop(sub, f"lagging for over {round(self._grace_s * 1000)}ms ({lagged_ms}ms)")
+                self.drop(sub, f"lagging for over {round(self._grace_s * 1000)}ms ({lagged_ms}ms)")
 
     def _check_stuck(self) -> None:
         """Drops whoever the waited-on checkpoint has waited for over the grace period."""
@@ -289,13 +293,13 @@ class Forwarder:
             return
         held_ms = round(current.age_s * 1000)
         for sub in current.pending:
-            self._drop(
+            self.drop(
                 sub,
                 f"held up flow control for over {round(self._grace_s * 1000)}ms "
                 f"({held_ms}ms without consuming a checkpoint)",
             )
 
-    def _drop(self, sub: Subscriber, reason: str) -> None:
+    def drop(self, sub: Subscriber, reason: str) -> None:
         """Disconnects ``sub`` with StreamTooFarBehind; no checkpoint waits for it.
 
         Protocol v6 has no such error type (zero 1.9 has error types 1 and 2): a v6

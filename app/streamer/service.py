@@ -137,6 +137,12 @@ class StreamerOptions:
     max_subscribers: int = 1000
     # Replication sockets one client address may hold at once (app/server/replication.py).
     max_sockets_per_address: int = 100
+    # How far behind the change log's head a subscriber connected for longer than
+    # subscriber_max_lag_s may hold the purge floor: older than this (its acked
+    # commit's durable age) or more change text behind is dropped (it may resume,
+    # or learn that it is too old).
+    subscriber_max_lag_s: float = 3600.0
+    subscriber_max_lag_bytes: int = 4 * 1024**3
     # A ``/v7/subscribe`` socket that sends no ``start-subscription`` or
     # ``reserve-snapshot`` within this long is closed (it would hold a slot for ever).
     first_message_timeout_s: float = 30.0
@@ -244,7 +250,7 @@ class ChangeStreamerService:
                 self.options.restore_s,
                 self.reservations.longest_completed_s,
             ),
-            named_acks=self.forwarder.named_acks,
+            named_acks=self._acks_holding_the_floor,
             retention=self.backups.commit_clock,
             # Without backups the tracked watermark is the local replica's position.
             backup_name="backup" if self.options.backup_url else "replica",
@@ -741,9 +747,32 @@ class ChangeStreamerService:
     def start_snapshot_reservation(self, task_id: str) -> Reservation:
         return self.reservations.open(task_id)
 
+    def _acks_holding_the_floor(self) -> list[tuple[str, str]]:
+        """The subscribers' acks the purge floor respects: all but those connected for
+        longer than ``subscriber_max_lag_s`` that are behind by more than it (or by
+        ``subscriber_max_lag_bytes``): one slow client must not keep the change log
+        from shrinking for ever. Those are dropped, saying why; one that resumes
+        from a purged watermark gets WatermarkTooOld."""
+        max_s, max_bytes = self.options.subscriber_max_lag_s, self.options.subscriber_max_lag_bytes
+        now = self._timers.monotonic()
+        held: list[tuple[str, str]] = []
+        for sub, joined_at in self.forwarder.joined():
+            if now - joined_at > max_s:
+                lag_s = self.backups.durable_wait_s(sub.acked)
+                lag_bytes = self.backups.bytes_after(sub.acked)
+                if lag_s > max_s or lag_bytes > max_bytes:
+                    self.forwarder.drop(
+                        sub,
+                        f"its acks held the change log's purge floor {lag_s:.0f} s and "
+                        f"{lag_bytes} bytes behind (at most {max_s:g} s and {max_bytes} bytes)",
+                    )
+                    continue
+            held.append((sub.id, sub.acked))
+        return held
+
     def _on_durable(self, watermark: str) -> None:
         self._backoff.reset()  # progress
-        self.backups.on_durable(watermark)
+        self.backups.on_durable(watermark, self.storer.stored_bytes)
         self.acker.track_change_log(watermark)
         for listener in self.durable_listeners:
             listener(watermark)

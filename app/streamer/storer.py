@@ -124,6 +124,8 @@ class Storer:
         # The first failed write of the current streak and when it failed (cleared by
         # the next durable commit): /ready's "cannot write" (``write_problem``).
         self._write_failure: tuple[str, float] | None = None
+        # Change text made durable so far (how far behind a subscriber's ack is).
+        self.stored_bytes = 0
         self._on_durable = on_durable
         self._statement_timeout_s = statement_timeout_s
         self._group_max_rows = group_max_rows
@@ -459,6 +461,7 @@ class Storer:
             else:
                 self._tail.add(t.watermark, t.rows, t.bytes)
         self.durable = group[-1].watermark
+        self.stored_bytes += sum(t.bytes for t in group)
         self._write_failure = None
         self._wake_durable_waiters()
         acked = [t.watermark for t in group if not t.skip_ack]

@@ -554,6 +554,48 @@ async def test_cleanup_purges_to_the_slowest_subscriber_after_30_s(svc: Service)
     slow.close()
 
 
+async def test_a_subscriber_lagging_past_the_bound_stops_holding_the_purge_floor(
+    change_db: ChangeDb,
+) -> None:
+    # The pinner: subscribed at the oldest watermark, acking now and then
+    # (inside every timeout), it held the floor for ever. Once connected for longer
+    # than the bound and further behind than it, it is dropped and the log is purged;
+    # resuming from where it was, it learns its watermark is too old.
+    svc = Service(change_db, subscriber_max_lag_s=60.0)
+    try:
+        stream = await svc.stream()
+        stream.push_all([*txn("02"), *txn("03")])
+        await svc.durable("03")
+        pinner = svc.subscribe("02", id="pinner")
+        assert loads(whole(await asyncio.wait_for(pinner.get(), 10)))[0] == "status"
+        pinner.ack_next()
+        await eventually(
+            lambda: ("pinner", "02") in svc.service.forwarder.named_acks(), "the pinner's ack"
+        )
+        svc.timers.advance(30)
+        stream.push_all(txn("04"))
+        await svc.durable("04")
+        svc.service.backups.track("04")
+        svc.timers.advance(30)  # the pass, 60 s after it joined: inside the bound
+        await svc.service.purger.idle()
+        assert svc.service.purger.floor_holder == "subscriber pinner"
+        assert {w for w, _ in await svc.stored()} >= {"02"}
+        stream.push_all(txn("05"))
+        await svc.durable("05")
+        svc.service.backups.track("05")
+        svc.timers.advance(61)  # joined 121 s ago, its ack's commit 91 s behind
+        await svc.service.purger.idle()
+        assert ("pinner", "02") not in svc.service.forwarder.named_acks()  # dropped
+        assert {w for w, _ in await svc.stored()} == {"05"}
+        assert pinner.closed
+        resumed = svc.subscribe("02", id="pinner")
+        msgs = await collect(resumed, 1)
+        assert msgs[0][0] == "error"
+        assert msgs[0][1]["type"] == int(ErrorType.WATERMARK_TOO_OLD)
+    finally:
+        await svc.stop()
+
+
 async def test_cleanup_without_subscribers_reaches_the_backup_and_is_not_rearmed(
     svc: Service,
 ) -> None:
