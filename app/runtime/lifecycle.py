@@ -175,9 +175,6 @@ class NodeLifecycle:
     def add_check(self, check: HealthCheck) -> None:
         self._checks.append(check)
 
-    def add_children(self, closed: Callable[[], Awaitable[None]]) -> None:
-        self._children.append(closed)
-
     # -- what the server asks ---------------------------------------------------
 
     def problems(self) -> list[str]:

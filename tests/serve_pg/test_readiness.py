@@ -25,7 +25,7 @@ from tests.serve_pg.conftest import (
     immutable,
     wait_until_replica_matches,
 )
-from tests.serve_pg.test_backups import ready_status
+from tests.serve_pg.test_backups import unready_reason
 
 
 @contextlib.contextmanager
@@ -70,9 +70,8 @@ async def test_ready_says_the_change_log_cannot_be_written_while_its_disk_is_ful
             filler = fill(disk)
 
             async def not_writable() -> str | None:
-                code, body = await asyncio.to_thread(ready_status, serve)
-                reason = str(body.get("reason", ""))
-                if code == 503 and reason.startswith("owner: the change log cannot be written"):
+                reason = await asyncio.to_thread(unready_reason, serve)
+                if reason and reason.startswith("owner: the change log cannot be written"):
                     return reason
                 return None
 
@@ -117,9 +116,8 @@ async def test_ready_says_the_replica_follower_crash_loops_and_recovers_when_it_
             os.kill(follower_pid(serve), signal.SIGKILL)
 
             async def crash_looping() -> str | None:
-                code, body = await asyncio.to_thread(ready_status, serve)
-                reason = str(body.get("reason", ""))
-                return reason if code == 503 and "replica follower failed" in reason else None
+                reason = await asyncio.to_thread(unready_reason, serve)
+                return reason if reason and "replica follower failed" in reason else None
 
             reason = await eventually(crash_looping, "/ready to report the crash loop", 60)
             assert reason.startswith("owner: the replica follower failed "), reason
